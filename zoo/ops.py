@@ -1,0 +1,105 @@
+"""Shared attention kernels and helpers used by the variants (GQA expansion, masks, softmax attention,
+padding to block multiples, blocked gathers, chunked prefix sums).
+
+Everything here works on ``(batch, heads, seq, head_dim)`` tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import repeat_kv
+from transformers.masking_utils import and_masks, causal_mask_function, padding_mask_function
+
+from zoo.variant import AttentionCall, IndexPredicate
+
+__all__ = [
+    "allowed_mask",
+    "expand_kv",
+    "pad_to_multiple",
+    "softmax_attention",
+]
+
+
+def expand_kv(key: torch.Tensor, value: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Repeat grouped key/value heads (Llama, Qwen, Mistral GQA) to the number of query heads."""
+    groups = num_heads // key.shape[1]
+    if groups * key.shape[1] != num_heads:
+        raise ValueError(f"{num_heads} query heads cannot share {key.shape[1]} key/value heads evenly")
+    if groups == 1:
+        return key, value
+    return repeat_kv(key, groups), repeat_kv(value, groups)
+
+
+def allowed_mask(
+    call: AttentionCall,
+    pattern: IndexPredicate | None,
+    batch: int,
+    heads: int,
+    q_len: int,
+    kv_len: int,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor | None:
+    """Dense ``(batch|1, heads|1, q_len, kv_len)`` bool mask of allowed (query, key) pairs.
+
+    Combines the variant's pattern with causality and padding. It is O(n²): used by the ``dense``
+    reference variant and by tests, never by a sub-quadratic kernel. Queries are aligned to the end of
+    the keys (a KV cache holds ``kv_len - q_len`` earlier tokens).
+    """
+    parts = []
+    if pattern is not None:
+        parts.append(pattern)
+    if call.causal:
+        parts.append(causal_mask_function)
+    if call.padding_mask is not None:
+        parts.append(padding_mask_function(call.padding_mask.to(device)))
+    if not parts:
+        return None
+    predicate = and_masks(*parts) if len(parts) > 1 else parts[0]
+    b = torch.arange(batch if call.padding_mask is not None else 1, device=device)[:, None, None, None]
+    h = torch.arange(heads, device=device)[None, :, None, None]
+    q = torch.arange(kv_len - q_len, kv_len, device=device)[None, None, :, None]
+    kv = torch.arange(kv_len, device=device)[None, None, None, :]
+    mask = predicate(b, h, q, kv)
+    return mask.expand(mask.shape[0], mask.shape[1], q_len, kv_len)
+
+
+def softmax_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    training: bool = False,
+) -> torch.Tensor:
+    """Plain softmax attention over the allowed keys; a query with no allowed key outputs zeros.
+
+    ``allowed`` broadcasts against the scores ``(..., q_len, kv_len)``. Scores are computed in fp32.
+    """
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scaling
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = safe_softmax(scores)
+    if dropout and training:
+        probs = F.dropout(probs, p=dropout)
+    return torch.matmul(probs, v.float()).to(v.dtype)
+
+
+def safe_softmax(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim that returns zeros (not NaN) for rows that are entirely ``-inf``."""
+    row_max = scores.amax(-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(scores - row_max)
+    return weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
+
+
+def pad_to_multiple(x: torch.Tensor, multiple: int, dim: int = -2, value: float = 0.0) -> torch.Tensor:
+    """Pad ``x`` along ``dim`` (at the end) to a multiple of ``multiple``."""
+    length = x.shape[dim]
+    extra = (-length) % multiple
+    if extra == 0:
+        return x
+    dim = dim % x.dim()
+    pad = [0, 0] * (x.dim() - 1 - dim) + [0, extra]
+    return F.pad(x, pad, value=value)

@@ -1,0 +1,149 @@
+"""Variant registry: entry points (group ``attention_zoo.variants``) plus in-process registration.
+
+The registry never imports a variant module itself; entry points (or the caller of
+:func:`register_variant`) do. A plugin that fails to import is reported with a warning and recorded,
+so every other variant keeps working and asking for the broken one re-raises its cause.
+"""
+
+from __future__ import annotations
+
+import difflib
+import warnings
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+
+from zoo.variant import Variant
+
+ENTRY_POINT_GROUP = "attention_zoo.variants"
+IN_PROCESS = "<in-process>"
+
+
+class UnknownVariantError(KeyError):
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0])
+
+
+class VariantConflictError(RuntimeError):
+    """Two sources claim the same variant name."""
+
+
+class BrokenVariantError(ImportError):
+    """The plugin providing a variant failed to import."""
+
+
+@dataclass(frozen=True)
+class Source:
+    distribution: str
+    version: str
+    entry_point: str
+
+    def __str__(self) -> str:
+        if self.distribution == IN_PROCESS:
+            return f"{self.entry_point} (registered in-process)"
+        return f"{self.entry_point} from distribution {self.distribution} {self.version}"
+
+
+@dataclass
+class _Entry:
+    cls: type[Variant] | None
+    source: Source
+    error: BaseException | None = None
+    conflict: Source | None = None
+
+
+_entries: dict[str, _Entry] = {}
+_discovered = False
+
+
+def _add(name: str, entry: _Entry) -> None:
+    previous = _entries.get(name)
+    if previous is not None and previous.source != entry.source:
+        if previous.cls is entry.cls and entry.cls is not None:
+            return  # the same class reached twice (entry point + decorator): harmless
+        warnings.warn(
+            f"attention-zoo: variant {name!r} is claimed by two sources: {previous.source} and {entry.source}. "
+            f"Uninstall one of them; asking for {name!r} raises until then.",
+            stacklevel=3,
+        )
+        previous.conflict = entry.source
+        return
+    _entries[name] = entry
+
+
+def _discover() -> None:
+    global _discovered
+    if _discovered:
+        return
+    _discovered = True
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        dist = ep.dist.name if ep.dist is not None else "unknown"
+        version = ep.dist.version if ep.dist is not None else "unknown"
+        source = Source(dist, version, f"{ep.name} = {ep.value}")
+        try:
+            cls = ep.load()
+            _check_variant_class(cls, ep.name)
+        except Exception as exc:  # a broken plugin must not break the zoo
+            warnings.warn(
+                f"attention-zoo: plugin entry point {ep.name!r} ({ep.value}) from distribution {dist} {version} "
+                f"failed to load: {exc!r}. Other variants still work.",
+                stacklevel=2,
+            )
+            _add(ep.name, _Entry(None, source, error=exc))
+            continue
+        _add(cls.name, _Entry(cls, source))
+
+
+def _check_variant_class(cls: object, ep_name: str) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, Variant)):
+        raise TypeError(f"entry point {ep_name!r} must point to a zoo.Variant subclass, got {cls!r}")
+    if cls.name != ep_name:
+        raise TypeError(f"entry point name {ep_name!r} differs from the variant's name {cls.name!r}")
+
+
+def register_variant(cls: type[Variant]) -> type[Variant]:
+    """Register a variant class in this process (usable as a decorator, e.g. in a notebook)."""
+    _check_variant_class(cls, cls.name)
+    _discover()
+    _add(cls.name, _Entry(cls, Source(IN_PROCESS, "", f"{cls.__module__}.{cls.__qualname__}")))
+    return cls
+
+
+def unregister_variant(name: str) -> None:
+    """Remove an in-process registration (tests, notebooks)."""
+    entry = _entries.get(name)
+    if entry is not None and entry.source.distribution == IN_PROCESS:
+        del _entries[name]
+
+
+def list_variants() -> list[str]:
+    """Names of every available variant (broken plugins excluded)."""
+    _discover()
+    return sorted(n for n, e in _entries.items() if e.cls is not None and e.conflict is None)
+
+
+def get_variant_class(name: str) -> type[Variant]:
+    _discover()
+    entry = _entries.get(name)
+    if entry is None:
+        close = difflib.get_close_matches(name, list(_entries), n=3)
+        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise UnknownVariantError(
+            f"attention-zoo has no variant {name!r}.{hint} Available: {', '.join(list_variants())}. "
+            f"A plugin variant must be installed (pip install ...) and declare an entry point in the "
+            f"{ENTRY_POINT_GROUP!r} group."
+        )
+    if entry.conflict is not None:
+        raise VariantConflictError(
+            f"attention-zoo variant {name!r} is provided twice: by {entry.source} and by {entry.conflict}. "
+            "Uninstall one of the two packages."
+        )
+    if entry.cls is None:
+        raise BrokenVariantError(
+            f"attention-zoo variant {name!r} ({entry.source}) failed to import: {entry.error!r}"
+        ) from entry.error
+    return entry.cls
+
+
+def variant_source(name: str) -> Source:
+    get_variant_class(name)
+    return _entries[name].source

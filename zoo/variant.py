@@ -1,0 +1,207 @@
+"""The variant contract: what every attention variant (built-in or plugin) declares and implements.
+
+A variant file holds two things side by side:
+
+* its **pattern** -- for sparse variants an index predicate ``(batch, head, q_idx, kv_idx) -> bool``
+  in the style of ``transformers.masking_utils`` (the spec the tests hold the kernel to), and
+* its **kernel** -- :meth:`Variant.attend`, the fast implementation.
+
+The shared plumbing (:mod:`zoo.hf`) hands the kernel grouped-query-expanded ``q, k, v`` of shape
+``(batch, heads, seq, head_dim)`` and an :class:`AttentionCall` describing causality, padding,
+scaling and dropout. The kernel returns ``(batch, heads, q_len, head_dim)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+IndexPredicate = Callable[[Any, Any, Any, Any], Any]
+
+
+class VariantParameterError(ValueError):
+    """A variant parameter has the wrong type or is out of its allowed range."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """One public parameter of a variant: default, type and allowed values.
+
+    ``per_layer=True`` also accepts a list with one value per layer (e.g. Longformer's window).
+    """
+
+    default: Any
+    type: type | tuple[type, ...]
+    doc: str = ""
+    min: float | None = None
+    max: float | None = None
+    choices: tuple | None = None
+    per_layer: bool = False
+    optional: bool = False
+    list_of: type | None = None
+
+    def allowed(self) -> str:
+        if self.choices is not None:
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        kind = f"list of {self.list_of.__name__}" if self.list_of else _type_name(self.type)
+        if self.min is not None and self.max is not None:
+            kind += f" in [{self.min}, {self.max}]"
+        elif self.min is not None:
+            kind += f" >= {self.min}"
+        elif self.max is not None:
+            kind += f" <= {self.max}"
+        if self.per_layer:
+            kind += " (or a list with one value per layer)"
+        if self.optional:
+            kind += " or None"
+        return kind
+
+    def validate(self, variant: str, name: str, value: Any) -> Any:
+        def fail() -> VariantParameterError:
+            return VariantParameterError(
+                f"attention-zoo variant {variant!r}: parameter {name!r} = {value!r} is invalid; "
+                f"allowed: {self.allowed()}."
+            )
+
+        if value is None and self.optional:
+            return None
+        if self.per_layer and isinstance(value, (list, tuple)):
+            if not value:
+                raise fail()
+            return [self._check_scalar(v, fail) for v in value]
+        if self.list_of is not None:
+            if not isinstance(value, (list, tuple)):
+                raise fail()
+            return [self._check_scalar(v, fail, self.list_of) for v in value]
+        return self._check_scalar(value, fail)
+
+    def _check_scalar(self, value: Any, fail: Callable[[], Exception], expected: Any = None) -> Any:
+        expected = expected or self.type
+        if isinstance(value, bool) and expected in (int, float):
+            raise fail()
+        if expected is float and isinstance(value, int):
+            value = float(value)
+        if not isinstance(value, expected):
+            raise fail()
+        if self.choices is not None and value not in self.choices:
+            raise fail()
+        if self.min is not None and value < self.min:
+            raise fail()
+        if self.max is not None and value > self.max:
+            raise fail()
+        return value
+
+
+def _type_name(t: type | tuple[type, ...]) -> str:
+    if isinstance(t, tuple):
+        return " or ".join(x.__name__ for x in t)
+    return t.__name__
+
+
+@dataclass
+class AttentionCall:
+    """Everything about one attention call except q/k/v.
+
+    ``padding_mask`` is ``(batch, kv_len)`` bool, True for real tokens, or None when nothing is padded.
+    ``extra`` carries model keyword arguments that reached the attention function (for example
+    ``global_attention_mask`` for Longformer). ``state`` is a dict persisted in the model config, for
+    variants that must save what they drew (Performer's redraw counters).
+    """
+
+    causal: bool
+    scaling: float
+    padding_mask: torch.Tensor | None = None
+    dropout: float = 0.0
+    training: bool = False
+    layer_idx: int = 0
+    extra: dict = field(default_factory=dict)
+    state: dict = field(default_factory=dict)
+    module: torch.nn.Module | None = None
+
+
+class Variant:
+    """Base class for attention variants. Subclass it, fill the class attributes, implement ``attend``.
+
+    Class attributes (all public, shown by ``zoo list``):
+
+    * ``name`` -- registry name (the entry-point name).
+    * ``exact`` -- True if the output equals softmax attention restricted to ``pattern``.
+    * ``supports_causal`` / ``supports_bidirectional``.
+    * ``time_complexity`` / ``memory_complexity`` -- in n (sequence length), e.g. ``"O(n·w)"``.
+    * ``params`` -- ``{name: Param}``; validated at :func:`zoo.configure` time.
+    * ``supports_dropout`` -- if False, attention dropout > 0 in training raises a clear error.
+    * ``error_bound`` -- approximate variants: the max relative error (Frobenius norm of the
+      difference over the norm of the softmax reference) at default parameters on the contract
+      suite's inputs.
+    """
+
+    name: ClassVar[str] = ""
+    exact: ClassVar[bool] = True
+    supports_causal: ClassVar[bool] = True
+    supports_bidirectional: ClassVar[bool] = True
+    supports_dropout: ClassVar[bool] = True
+    time_complexity: ClassVar[str] = "O(n²)"
+    memory_complexity: ClassVar[str] = "O(n²)"
+    params: ClassVar[dict[str, Param]] = {}
+    error_bound: ClassVar[float | None] = None
+    # Parameters the contract suite uses so its small inputs exercise the pattern (e.g. a window of
+    # 8 at n=64 instead of 512). Plugin authors set these for their own variant.
+    test_params: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, **params: Any) -> None:
+        unknown = sorted(set(params) - set(self.params))
+        if unknown:
+            known = ", ".join(sorted(self.params)) or "none"
+            raise VariantParameterError(
+                f"attention-zoo variant {self.name!r} has no parameter {unknown[0]!r}; its parameters: {known}."
+            )
+        self.config: dict[str, Any] = {}
+        for pname, spec in self.params.items():
+            value = params.get(pname, spec.default)
+            self.config[pname] = spec.validate(self.name, pname, value)
+        self.check_config()
+
+    def check_config(self) -> None:
+        """Cross-parameter validation hook (raise :class:`VariantParameterError`)."""
+
+    def __getattr__(self, item: str) -> Any:
+        config = self.__dict__.get("config")
+        if config is not None and item in config:
+            return config[item]
+        raise AttributeError(item)
+
+    def per_layer(self, name: str, layer_idx: int) -> Any:
+        """Value of a ``per_layer`` parameter for one layer (lists cycle if shorter than the model)."""
+        value = self.config[name]
+        if isinstance(value, list):
+            return value[layer_idx % len(value)]
+        return value
+
+    def pattern(self, call: AttentionCall, q_len: int, kv_len: int) -> IndexPredicate | None:
+        """Index predicate of the keys each query may see, before causality and padding; None = all."""
+        return None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        raise NotImplementedError
+
+    @classmethod
+    def describe(cls) -> dict[str, Any]:
+        modes = [m for m, ok in (("causal", cls.supports_causal), ("bidirectional", cls.supports_bidirectional)) if ok]
+        return {
+            "name": cls.name,
+            "kind": "exact" if cls.exact else "approximate",
+            "modes": "/".join(modes),
+            "time": cls.time_complexity,
+            "memory": cls.memory_complexity,
+            "params": {k: p.default for k, p in cls.params.items()},
+        }
+
+
+def kv_lengths(padding_mask: torch.Tensor | None, batch: int, kv_len: int) -> Sequence[int]:
+    """Number of real tokens per batch row."""
+    if padding_mask is None:
+        return [kv_len] * batch
+    return padding_mask.sum(-1).tolist()
