@@ -78,9 +78,8 @@ def configure(target: PretrainedConfig | PreTrainedModel, name: str, **params: A
 
 
 def _model_class_for(config: PretrainedConfig) -> type | None:
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
-
     import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
     class_name = MODEL_MAPPING_NAMES.get(config.model_type)
     return getattr(transformers, class_name, None) if class_name else None

@@ -13,7 +13,7 @@ scaling and dropout. The kernel returns ``(batch, heads, q_len, head_dim)``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -180,6 +180,13 @@ class Variant:
             return value[layer_idx % len(value)]
         return value
 
+    def flops(self, n: int, heads: int, head_dim: int, causal: bool = False) -> float:
+        """Forward FLOPs of the attention core (QK^T and PV) at length n; the benchmark's GFLOP/s uses it.
+
+        The default counts dense attention; sparse and linear variants override it with their own cost.
+        """
+        return 4.0 * n * n * heads * head_dim * (0.5 if causal else 1.0)
+
     def pattern(self, call: AttentionCall, q_len: int, kv_len: int) -> IndexPredicate | None:
         """Index predicate of the keys each query may see, before causality and padding; None = all."""
         return None
@@ -199,9 +206,3 @@ class Variant:
             "params": {k: p.default for k, p in cls.params.items()},
         }
 
-
-def kv_lengths(padding_mask: torch.Tensor | None, batch: int, kv_len: int) -> Sequence[int]:
-    """Number of real tokens per batch row."""
-    if padding_mask is None:
-        return [kv_len] * batch
-    return padding_mask.sum(-1).tolist()
