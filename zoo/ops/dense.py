@@ -1,5 +1,4 @@
-"""Shared attention kernels and helpers used by the variants (GQA expansion, masks, softmax attention,
-padding to block multiples, blocked gathers, chunked prefix sums).
+"""Dense helpers: GQA expansion, the O(n²) reference mask and softmax attention, padding to a block multiple.
 
 Everything here works on ``(batch, heads, seq, head_dim)`` tensors.
 """
@@ -12,13 +11,6 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import and_masks, causal_mask_function, padding_mask_function
 
 from zoo.variant import AttentionCall, IndexPredicate
-
-__all__ = [
-    "allowed_mask",
-    "expand_kv",
-    "pad_to_multiple",
-    "softmax_attention",
-]
 
 
 def expand_kv(key: torch.Tensor, value: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:

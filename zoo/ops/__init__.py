@@ -1,0 +1,26 @@
+"""Shared attention kernels and helpers for variants: GQA expansion, masks, softmax attention, blocked
+gathers (``zoo.ops.blocked``) and chunked prefix sums (``zoo.ops.prefix``)."""
+
+from zoo.ops.blocked import (
+    band_blocks,
+    band_positions,
+    blocked_attention,
+    gather_blocks,
+    rows_attention,
+    split_blocks,
+)
+from zoo.ops.dense import allowed_mask, expand_kv, pad_to_multiple, safe_softmax, softmax_attention
+
+__all__ = [
+    "allowed_mask",
+    "band_blocks",
+    "band_positions",
+    "blocked_attention",
+    "expand_kv",
+    "gather_blocks",
+    "pad_to_multiple",
+    "rows_attention",
+    "safe_softmax",
+    "softmax_attention",
+    "split_blocks",
+]

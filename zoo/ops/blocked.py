@@ -1,0 +1,85 @@
+"""Blocked building blocks for sparse variants (Longformer, BigBird, Sparse Transformer).
+
+Queries are cut into blocks; each query block attends to a small set of keys (a band around it, or
+gathered key blocks) through one batched ``scaled_dot_product_attention`` call with a broadcast mask.
+Cost O(n · keys_per_block · d); nothing of size n x n is built.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from zoo.variant import AttentionCall
+
+
+def split_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """(B, H, N, D) with N a multiple of ``block`` -> (B, H, N // block, block, D) (a view)."""
+    b, h, n, d = x.shape
+    return x.view(b, h, n // block, block, d)
+
+
+def band_blocks(x: torch.Tensor, block: int, before: int, after: int) -> torch.Tensor:
+    """Keys of a band around each query block: (B, H, N, D) -> (B, H, N // block, before + block + after, D).
+
+    Block ``g`` gets positions ``[g*block - before, (g+1)*block + after)``; positions outside [0, N)
+    are zeros and must be masked by the caller (see :func:`band_positions`). ``before`` and ``after``
+    must be multiples of ``block``; the result is a strided view (no copy).
+    """
+    padded = F.pad(x, (0, 0, before, after))
+    return padded.unfold(2, before + block + after, block).transpose(-1, -2)
+
+
+def band_positions(num_blocks: int, block: int, before: int, after: int, device=None) -> torch.Tensor:
+    """Absolute key positions (num_blocks, before + block + after) matching :func:`band_blocks`."""
+    starts = torch.arange(num_blocks, device=device) * block - before
+    return starts[:, None] + torch.arange(before + block + after, device=device)[None, :]
+
+
+def gather_blocks(x: torch.Tensor, block: int, block_index: torch.Tensor) -> torch.Tensor:
+    """Gather whole key blocks per query block.
+
+    x: (B, H, N, D) with N a multiple of ``block``; block_index: (H or 1, G, R) long indices of key blocks
+    for each of G query blocks. Returns (B, H, G, R * block, D) (a copy of R/G of the input per block).
+    """
+    b, h, n, d = x.shape
+    blocks = split_blocks(x, block)  # (B, H, nb, block, D)
+    heads, g, r = block_index.shape
+    index = block_index.expand(h, g, r).reshape(1, h, g * r, 1, 1).expand(b, h, g * r, block, d)
+    return blocks.gather(2, index).view(b, h, g, r * block, d)
+
+
+def blocked_attention(
+    q_blocks: torch.Tensor,
+    k_blocks: torch.Tensor,
+    v_blocks: torch.Tensor,
+    allowed: torch.Tensor | None,
+    call: AttentionCall,
+) -> torch.Tensor:
+    """Softmax attention of each query block over its own key set.
+
+    q_blocks (B, H, G, Q, D), k/v_blocks (B, H, G, K, D), ``allowed`` a bool mask broadcastable to
+    (B, H, G, Q, K). A query with no allowed key outputs zeros.
+    """
+    return F.scaled_dot_product_attention(
+        q_blocks,
+        k_blocks,
+        v_blocks,
+        attn_mask=allowed,
+        dropout_p=call.dropout if call.training else 0.0,
+        scale=call.scaling,
+    )
+
+
+def rows_attention(
+    q_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, call: AttentionCall
+) -> torch.Tensor:
+    """Selected query rows (B, H, R, D) attending over all keys (global tokens): O(R · n)."""
+    return F.scaled_dot_product_attention(
+        q_rows,
+        k,
+        v,
+        attn_mask=allowed,
+        dropout_p=call.dropout if call.training else 0.0,
+        scale=call.scaling,
+    )
