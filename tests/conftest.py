@@ -1,0 +1,34 @@
+"""Test setup: no Hub, and the third-party plugin fixture installed (with pip, into a private target
+directory put on sys.path) before the registry looks for entry points."""
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+PLUGIN_SRC = Path(__file__).parent / "plugin_fixture"
+
+
+def _install_plugin_fixture() -> Path:
+    digest = hashlib.sha256()
+    for path in sorted(PLUGIN_SRC.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts and ".egg-info" not in str(path):
+            digest.update(path.read_bytes())
+    target = Path(tempfile.gettempdir()) / f"attention-zoo-plugin-{digest.hexdigest()[:12]}"
+    if not (target / "zoo_chunked_plugin").exists():
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+             "--target", str(target), str(PLUGIN_SRC)],
+            check=True,
+        )
+    return target
+
+
+PLUGIN_TARGET = _install_plugin_fixture()
+sys.path.insert(0, str(PLUGIN_TARGET))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGIN_TARGET), os.environ.get("PYTHONPATH")]))
