@@ -93,6 +93,10 @@ def test_configure_an_instantiated_model_switches_it():
     torch.testing.assert_close(after[mask.bool()], before[mask.bool()], atol=2e-5, rtol=1e-4)
 
 
+def _save_sdpa_bert(path):
+    transformers.AutoModel.from_config(zoo.configure(transformers.BertConfig(**SMALL), "sdpa")).save_pretrained(path)
+
+
 @pytest.mark.parametrize(
     "config",
     [transformers.LongformerConfig, transformers.BigBirdConfig, transformers.DebertaConfig, transformers.MPNetConfig,
@@ -114,7 +118,7 @@ def test_unsupported_model_is_refused_at_load_time_too(tmp_path):
 
 
 def test_loading_a_variant_that_is_not_installed_names_the_package(tmp_path):
-    transformers.AutoModel.from_config(zoo.configure(transformers.BertConfig(**SMALL), "sdpa")).save_pretrained(tmp_path)
+    _save_sdpa_bert(tmp_path)
     data = json.loads((tmp_path / "config.json").read_text())
     data["attention_zoo"].update(variant="ring_attention", package="zoo-ring-plugin", version="2.0")
     (tmp_path / "config.json").write_text(json.dumps(data))
@@ -123,7 +127,7 @@ def test_loading_a_variant_that_is_not_installed_names_the_package(tmp_path):
 
 
 def test_without_import_zoo_loading_fails_loudly_instead_of_running_dense(tmp_path):
-    transformers.AutoModel.from_config(zoo.configure(transformers.BertConfig(**SMALL), "sdpa")).save_pretrained(tmp_path)
+    _save_sdpa_bert(tmp_path)
     code = f"import transformers; transformers.AutoModel.from_pretrained({str(tmp_path)!r})"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode != 0 and "attention_zoo" in result.stderr
