@@ -7,6 +7,7 @@ frequent ones.
 
 import datasets
 import evaluate
+import numpy as np
 from sklearn.metrics import f1_score
 
 _DESCRIPTION = "Harmonic mean of precision and recall (scikit-learn f1_score)."
@@ -37,4 +38,4 @@ class F1(evaluate.Metric):
         score = f1_score(
             references, predictions, labels=labels, pos_label=pos_label, average=average, sample_weight=sample_weight
         )
-        return {"f1": float(score) if score.size == 1 else score}
+        return {"f1": float(score) if np.ndim(score) == 0 else score}

@@ -1,0 +1,44 @@
+"""Where attention-zoo keeps fetched corpora and built datasets, and the build-once cache for datasets."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import datasets
+
+CACHE_ENV = "ATTENTION_ZOO_CACHE"
+
+
+def cache_dir() -> Path:
+    """``$ATTENTION_ZOO_CACHE``, else ``~/.cache/attention_zoo``."""
+    path = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "attention_zoo")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def options_key(name: str, version: int, options: dict) -> str:
+    """A directory name unique to one task, builder version and set of options."""
+    digest = hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return f"{name}-v{version}-{digest}"
+
+
+def cached_dataset(key: str, build: Callable[[], datasets.DatasetDict]) -> datasets.DatasetDict:
+    """Load ``key`` from the cache, or build it and save it there (atomically: several processes may race)."""
+    target = cache_dir() / "datasets" / key
+    if target.is_dir():
+        return datasets.load_from_disk(str(target))
+    built = build()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{key}-"))
+    built.save_to_disk(str(staging))
+    try:
+        staging.rename(target)
+    except OSError:  # another process finished first: keep its copy
+        shutil.rmtree(staging, ignore_errors=True)
+    return datasets.load_from_disk(str(target))
