@@ -262,6 +262,11 @@ def tiny_model_config(family: str, name: str) -> transformers.PretrainedConfig:
     common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
     if family == "bert":
         config = transformers.BertConfig(**common, attention_probs_dropout_prob=0.0, max_position_embeddings=256)
+    elif family == "modernbert":
+        config = transformers.ModernBertConfig(
+            **common, attention_dropout=0.0, global_attn_every_n_layers=2, local_attention=16, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
+        )
     elif family == "llama":
         config = transformers.LlamaConfig(**common, num_key_value_heads=2, attention_dropout=0.0, pad_token_id=0)
     else:
@@ -278,9 +283,10 @@ def _model_inputs(n: int = N):
 
 
 @pytest.mark.parametrize("name", [n for n in VARIANTS if get_variant_class(n).supports_bidirectional])
-def test_runs_in_bert_with_padding_and_reloads_identically(name):
+@pytest.mark.parametrize("family", ["bert", "modernbert"])
+def test_runs_in_encoders_with_padding_and_reloads_identically(name, family):
     torch.manual_seed(0)
-    model = transformers.AutoModel.from_config(tiny_model_config("bert", name)).eval()
+    model = transformers.AutoModel.from_config(tiny_model_config(family, name)).eval()
     ids, mask = _model_inputs()
     out = model(input_ids=ids, attention_mask=mask).last_hidden_state
     ids_noisy = ids.clone()
