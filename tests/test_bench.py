@@ -1,0 +1,208 @@
+"""`zoo bench`: outputs, every registered variant and installed peer present, skips noted, failures recorded,
+the exponent fit and the budget estimates."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+
+import zoo
+from zoo import bench
+from zoo.bench_peers import PEERS, QKVProjections
+from zoo.cli import main
+
+OUTPUTS = ("bench.csv", "bench.json", "bench.md", "time_vs_n.png", "memory_vs_n.png")
+
+
+class RaisingVariant(zoo.Variant):
+    """A variant whose kernel always fails: the benchmark must record it and go on."""
+
+    name = "bench_test_raises"
+
+    def attend(self, q, k, v, call):
+        raise RuntimeError("boom from the test variant")
+
+
+def read_rows(out):
+    with open(out / "bench.csv") as handle:
+        return list(csv.DictReader(handle))
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_quick")
+    assert main(["bench", "--quick", "--no-progress", "--output-dir", str(out)]) == 0
+    return out
+
+
+def test_quick_writes_every_output(quick_run):
+    for name in OUTPUTS:
+        assert (quick_run / name).stat().st_size > 0, name
+    for plot in ("time_vs_n.png", "memory_vs_n.png"):
+        assert (quick_run / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    markdown = (quick_run / "bench.md").read_text()
+    for section in ("## Time (s)", "## Peak memory", "## Against sdpa", "## Against the matching peer",
+                    "## The O(n²) wall", "theoretical relative cost"):
+        assert section in markdown
+
+
+def test_quick_covers_every_registered_variant_and_installed_peer(quick_run):
+    rows = read_rows(quick_run)
+    installed_peers = {name for name, peer in PEERS.items() if peer.installed()}
+    assert {"hf_longformer", "hf_bigbird"} <= installed_peers  # transformers is a dependency
+    expected = set(zoo.list_variants()) | installed_peers
+    lengths = {"512", "1024"}
+    for name in expected:
+        assert {r["n"] for r in rows if r["variant"] == name} == lengths, name
+
+
+def test_quick_measures_real_numbers(quick_run):
+    rows = {(r["variant"], int(r["n"])): r for r in read_rows(quick_run)}
+    report = json.loads((quick_run / "bench.json").read_text())
+    for n in (512, 1024):
+        sdpa = rows[("sdpa", n)]
+        assert sdpa["status"] == "ok"
+        assert float(sdpa["time_s"]) > 0
+        assert float(sdpa["peak_mb"]) > report["baseline_rss_mb"] > 50  # torch is imported in the idle process
+        assert float(sdpa["speedup_vs_sdpa"]) == pytest.approx(1.0)
+        assert float(sdpa["gflop_per_s"]) > 0
+    # Eager dense materializes n x n scores: it needs more memory than SDPA's flash-style kernel.
+    assert float(rows[("dense", 1024)]["mem_mb"]) > float(rows[("sdpa", 1024)]["mem_mb"])
+    assert report["roof_gflop_per_s"] > 0
+    assert report["variants"]["sdpa"]["time_exponent"] is not None
+
+
+def test_quick_errors_against_the_dense_reference(quick_run):
+    variants = json.loads((quick_run / "bench.json").read_text())["variants"]
+    exact = ["sdpa", "hf_longformer"] + (["local_attention"] if "local_attention" in variants else [])
+    for name in exact:
+        assert variants[name]["rel_error"] < 1e-4, name
+    if "performer_pytorch" in variants:  # approximate: a real, nonzero error against full softmax
+        assert 0 < variants["performer_pytorch"]["rel_error"] < 2
+    assert variants["hf_bigbird"]["rel_error"] is None and variants["hf_bigbird"]["error_note"].startswith("n/a")
+
+
+def test_quick_notes_hf_bigbird_full_attention_fallback(quick_run):
+    rows = {(r["variant"], int(r["n"])): r for r in read_rows(quick_run)}
+    assert rows[("hf_bigbird", 512)]["status"] == "skipped"
+    assert "full attention" in rows[("hf_bigbird", 512)]["note"]
+    assert rows[("hf_bigbird", 1024)]["status"] == "ok"
+
+
+def test_failing_variant_is_recorded_and_budget_skips_are_noted(tmp_path):
+    zoo.register_variant(RaisingVariant)
+    try:
+        code = main([
+            "bench", "--variants", "sdpa", "bench_test_raises", "--lengths", "512", "1024",
+            "--hidden", "64", "--heads", "2", "--repeats", "1", "--warmup", "0", "--max-seconds", "1e-6",
+            "--error-length", "256", "--roof-size", "128", "--no-progress", "--output-dir", str(tmp_path),
+        ])
+    finally:
+        zoo.unregister_variant(RaisingVariant.name)
+    assert code == 0
+    rows = {(r["variant"], int(r["n"])): r for r in read_rows(tmp_path)}
+    assert rows[("sdpa", 512)]["status"] == "ok"
+    assert rows[("sdpa", 1024)]["status"] == "skipped"
+    assert "> --max-seconds 1e-06" in rows[("sdpa", 1024)]["note"]
+    for n in (512, 1024):
+        assert rows[("bench_test_raises", n)]["status"] == "error"
+        assert "RuntimeError: boom from the test variant" in rows[("bench_test_raises", n)]["note"]
+    markdown = (tmp_path / "bench.md").read_text()
+    assert "skipped: est." in markdown and "boom from the test variant" in markdown
+    for name in OUTPUTS:
+        assert (tmp_path / name).exists()
+
+
+def test_fit_exponent_on_synthetic_numbers():
+    lengths = [512, 1024, 2048, 4096, 8192, 16384, 32768]
+    assert bench.fit_exponent(lengths, [3e-9 * n**2 for n in lengths]) == pytest.approx(2.0)
+    # Lengths >= 4096 only, when present: fixed overheads at small n must not bend the fit.
+    times = [0.5 if n < 4096 else 1e-4 * n**1.1 for n in lengths]
+    assert bench.fit_exponent(lengths, times) == pytest.approx(1.1)
+    # Fewer than two large lengths: fit over all of them.
+    assert bench.fit_exponent([512, 1024, 4096], [1.0, 2.0, 8.0]) == pytest.approx(1.0)
+    assert bench.fit_exponent([512], [1.0]) is None
+    assert bench.fit_exponent([512, 1024], [1.0, None]) is None
+
+
+def test_skip_reason_extrapolates_time_and_memory(monkeypatch):
+    settings = bench.BenchSettings(max_seconds=60)
+    sdpa = bench.make_contestants(["sdpa"], {})[0]
+    history = bench.History(times=[(1024, 1.0), (2048, 4.0)], memory=[(1024, 1e8), (2048, 2e8)])
+    note, estimate = bench.skip_reason(sdpa, settings, 8192, history, baseline=3e8)
+    assert estimate == pytest.approx(64.0)  # slope 2 from the last two lengths
+    assert note == "skipped: est. 64 s > --max-seconds 60"
+    monkeypatch.setattr(bench, "available_memory_bytes", lambda settings: 1e9)
+    roomy = bench.BenchSettings(max_seconds=1e9)
+    assert bench.skip_reason(sdpa, roomy, 4096, history, baseline=3e8)[0] is None  # 4e8 + 3e8 fits in 0.9e9
+    note, _ = bench.skip_reason(sdpa, roomy, 16384, history, baseline=3e8)  # 16e8 + 3e8 does not
+    assert note == "skipped: est. 1.8 GB > 953.7 MB available"
+    history.failed_at, history.failure = 2048, "the measuring process died"
+    note, _ = bench.skip_reason(sdpa, bench.BenchSettings(max_seconds=1e9), 4096, history, baseline=0)
+    assert note == "skipped: failed at n=2048 (the measuring process died)"
+
+
+def test_first_estimate_uses_the_cost_model():
+    settings = bench.BenchSettings()
+    sdpa = bench.make_contestants(["sdpa"], {})[0]
+    history = bench.History(times=[(1024, 1.0)])
+    _, estimate = bench.skip_reason(sdpa, settings, 2048, history, baseline=0)
+    expected = bench.total_flops(sdpa, settings, 2048) / bench.total_flops(sdpa, settings, 1024)
+    assert estimate == pytest.approx(expected)
+    assert 2 < expected < 4  # quadratic attention plus linear projections
+
+
+def test_variant_params_parse_and_link_to_peers():
+    parsed = bench.parse_variant_params(["longformer.window=256", "longformer.global_tokens=[0,5]", "x.mode=fast"])
+    assert parsed == {"longformer": {"window": 256, "global_tokens": [0, 5]}, "x": {"mode": "fast"}}
+    with pytest.raises(ValueError, match="NAME.KEY=VALUE"):
+        bench.parse_variant_params(["window=256"])
+    hf = PEERS["hf_longformer"]({}, parsed)
+    assert hf.params == {"window": 256, "global_tokens": [0, 5]}
+    assert PEERS["local_attention"]({}, parsed).params["window"] == 128  # each side
+    assert PEERS["hf_longformer"]({"window": 64}, parsed).params["window"] == 64  # the peer's own override wins
+    with pytest.raises(zoo.VariantParameterError, match="no parameter 'nope'"):
+        PEERS["hf_bigbird"]({"nope": 1})
+
+
+def test_bad_input_gives_a_clear_error(capsys, tmp_path):
+    assert main(["bench", "--hidden", "100", "--heads", "12", "--output-dir", str(tmp_path)]) == 2
+    assert "not divisible by --heads" in capsys.readouterr().err
+    assert main(["bench", "--variants", "no_such_variant", "--output-dir", str(tmp_path)]) == 2
+    assert "unknown variant or peer 'no_such_variant'" in capsys.readouterr().err
+    assert main(["bench", "--variant-params", "dense.nope=1", "--output-dir", str(tmp_path)]) == 2
+    assert "no parameter 'nope'" in capsys.readouterr().err
+    assert not (tmp_path / "bench.csv").exists()
+
+
+@pytest.mark.parametrize("name", ["hf_longformer", "local_attention", "hf_bigbird", "performer_pytorch"])
+def test_peer_layers_share_the_projections_and_keep_shapes(name):
+    if not PEERS[name].installed():
+        pytest.skip(f"{PEERS[name].distribution} is not installed")
+    peer = PEERS[name]()
+    proj = QKVProjections(64, 4)
+    n = 1000  # not a multiple of the window or block: the peer pads like its model does
+    layer = peer.build(proj, n, causal=False).eval()
+    assert {id(p) for p in proj.parameters()} <= {id(p) for p in layer.parameters()}
+    x = torch.randn(2, n, 64)
+    with torch.no_grad():
+        out = layer(x)
+    assert out.shape == x.shape and torch.isfinite(out).all()
+
+
+def test_in_process_runner_records_failures():
+    """The CUDA path runs measurements in-process; a failure there is recorded the same way."""
+    settings = bench.BenchSettings(lengths=[64], hidden=32, heads=2, repeats=2, warmup=0)
+    contestants = bench.make_contestants(["sdpa"], {})
+    runner = bench.Runner(settings, contestants)
+    runner.isolated = False
+    result = runner.run(bench.measure_time, contestants[0], settings, 64, timeout=60)
+    assert result["status"] == "ok" and len(result["times"]) == 2 and all(t > 0 for t in result["times"])
+    failing = bench.ZooContestant(RaisingVariant, {})
+    result = runner.run(bench.measure_time, failing, settings, 64, timeout=60)
+    assert result == {"status": "error", "error": "RuntimeError: boom from the test variant"}
+    assert math.isfinite(runner.run(bench.measure_roof, settings, timeout=60)["gflop_per_s"])
