@@ -1,0 +1,290 @@
+"""``bigbird``: BigBird ITC block-sparse attention (Zaheer et al. 2020).
+
+Queries and keys are cut into blocks of ``block_size`` tokens. The first and the last ``num_global_blocks``
+blocks are global: they attend to every key and every query attends to them. Every other query block attends
+to its ``window_blocks`` neighbours (itself and ``window_blocks // 2`` on each side), the global blocks and
+``num_random_blocks`` random blocks drawn among the blocks it does not already see, so no key is counted twice
+in the softmax (when fewer blocks remain, it takes those that exist).
+
+The random layout is a pure function of (seed, layer, number of blocks, head), drawn on CPU with a
+``torch.Generator`` seeded from a hash of those: the same in training and in eval (transformers' BigBird uses
+no random blocks in eval), in every process and after a save/reload. It is cached per (layer, number of
+blocks, heads, causal, device). Inputs of any length are padded internally to a block multiple and the
+padding is masked; where the pattern covers every block (e.g. at most 3 blocks with the defaults) this is
+exactly full attention, decided per call.
+
+Causal mode restricts every part to the past: the window is the block and the ``window_blocks // 2`` blocks
+before it, the global blocks are the first ``num_global_blocks`` (the last ones lie in the future), and the
+random blocks are drawn among earlier blocks. There a query block's layout is drawn from (seed, layer, head)
+only, so a token's output depends neither on later tokens nor on the total length (decoding with a KV cache
+gives what the full forward gives).
+
+Kernel: each non-global query block gathers its key blocks (``select_blocks``) and all of them run through
+one batched ``scaled_dot_product_attention`` (``blocked_attention``); the global query blocks go through
+``rows_attention`` over all keys. O(n · block · (window + 2·global + random)) time and memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+
+from zoo.ops import blocked_attention, pad_to_multiple, rows_attention
+from zoo.ops.select import select_blocks
+from zoo.variant import AttentionCall, IndexPredicate, Param, Variant, VariantParameterError
+
+LAYOUT_CACHE_SIZE = 256
+
+
+@dataclass
+class BlockLayout:
+    """Which key blocks each query block attends to, per head.
+
+    ``key_blocks`` (H, nb, K) long: slot -> key block (clamped into range); ``valid`` (H, nb, K) bool: False for
+    slots that fall outside the sequence or would repeat a block; ``global_queries`` (nb,) bool: query blocks
+    that attend to every key (their rows of ``key_blocks`` are unused).
+    """
+
+    key_blocks: torch.Tensor
+    valid: torch.Tensor
+    global_queries: torch.Tensor
+
+    def to(self, device: torch.device) -> BlockLayout:
+        return BlockLayout(self.key_blocks.to(device), self.valid.to(device), self.global_queries.to(device))
+
+    @cached_property
+    def block_counts(self) -> torch.Tensor:
+        """(H, nb, nb) long: how many valid slots of query block i point at key block j (global rows excluded)."""
+        heads, num_blocks, _ = self.key_blocks.shape
+        counts = torch.zeros(heads, num_blocks, num_blocks, dtype=torch.long, device=self.key_blocks.device)
+        return counts.scatter_add_(2, self.key_blocks, self.valid.long())
+
+    @cached_property
+    def adjacency(self) -> torch.Tensor:
+        """(H, nb, nb) bool: query block i may see key block j."""
+        return (self.block_counts > 0) | self.global_queries[None, :, None]
+
+
+def stream_seed(*parts: object) -> int:
+    """A 63-bit seed from a stable hash of ``parts`` (Python's ``hash`` is salted per process for strings)."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def layout_uniforms(seed: int, layer_idx: int, num_blocks: int, heads: int, draws: int, causal: bool) -> torch.Tensor:
+    """(heads, num_blocks, draws) uniforms in [0, 1), one CPU generator per head.
+
+    Bidirectional: seeded by (seed, layer, num_blocks, head). Causal: by (seed, layer, head) only; the CPU
+    generator fills rows in order, so row i is the same for every ``num_blocks`` > i.
+    """
+    length_key = "causal" if causal else num_blocks
+    rows = []
+    for head in range(heads):
+        generator = torch.Generator().manual_seed(stream_seed("bigbird", seed, layer_idx, length_key, head))
+        rows.append(torch.rand(num_blocks, draws, generator=generator))
+    return torch.stack(rows)
+
+
+def sample_distinct(uniforms: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``r = uniforms.shape[-1]`` distinct integers drawn uniformly from [0, count) per row (Floyd's algorithm).
+
+    ``count`` broadcasts against ``uniforms[..., 0]``. Rows with count < r get all of [0, count) and the rest of
+    their slots invalid. Returns (picks clamped to >= 0, valid).
+    """
+    draws = uniforms.shape[-1]
+    picks = torch.full(uniforms.shape, -1, dtype=torch.long)
+    for step in range(draws):
+        top = count - draws + step  # Floyd: draw from [0, top]; if taken, take top (never taken yet)
+        draw = torch.minimum((uniforms[..., step] * (top + 1)).long(), top)
+        taken = (picks[..., :step] == draw[..., None]).any(-1)
+        picks[..., step] = torch.where(taken, top, draw)
+    valid = picks >= 0
+    return picks.clamp(min=0), valid
+
+
+def bidirectional_layout(num_blocks: int, half_window: int, num_global: int, uniforms: torch.Tensor) -> BlockLayout:
+    """Window ∪ global (first and last ``num_global`` blocks) ∪ random blocks drawn among the others."""
+    heads = uniforms.shape[0]
+    query = torch.arange(num_blocks)[:, None]
+    window = query + torch.arange(-half_window, half_window + 1)
+    window_valid = (window >= 0) & (window < num_blocks)
+    front = torch.arange(num_global)
+    back = torch.arange(num_blocks - num_global, num_blocks)
+    globals_ = torch.cat([front, back])[None, :]
+    distinct = torch.cat([front < num_blocks, back >= num_global])[None, :]  # short inputs: front and back overlap
+    global_valid = distinct & (globals_ >= 0) & ((globals_ - query).abs() > half_window)
+    # Random candidates: the middle blocks [g, nb - g) outside the window [lo, hi].
+    lo = (query - half_window).clamp(min=num_global)
+    hi = (query + half_window).clamp(max=num_blocks - num_global - 1)
+    excluded = (hi - lo + 1).clamp(min=0)
+    count = (num_blocks - 2 * num_global - excluded).clamp(min=0)
+    picks, random_valid = sample_distinct(uniforms, count[:, 0])
+    random = num_global + picks
+    random = torch.where(random >= lo, random + excluded, random)
+    is_global = (query[:, 0] < num_global) | (query[:, 0] >= num_blocks - num_global)
+    return _assemble(heads, num_blocks, (window, window_valid), (globals_, global_valid), (random, random_valid),
+                     is_global)
+
+
+def causal_layout(num_blocks: int, half_window: int, num_global: int, uniforms: torch.Tensor) -> BlockLayout:
+    """The past only: the block and ``half_window`` blocks before it, the first ``num_global`` blocks and random
+    earlier blocks."""
+    heads = uniforms.shape[0]
+    query = torch.arange(num_blocks)[:, None]
+    window = query + torch.arange(-half_window, 1)
+    window_valid = window >= 0
+    globals_ = torch.arange(num_global)[None, :]
+    global_valid = globals_ < query - half_window  # in the past and not already in the window
+    count = (query[:, 0] - half_window - num_global).clamp(min=0)
+    picks, random_valid = sample_distinct(uniforms, count)
+    random = num_global + picks
+    return _assemble(heads, num_blocks, (window, window_valid), (globals_, global_valid), (random, random_valid),
+                     torch.zeros(num_blocks, dtype=torch.bool))
+
+
+def _assemble(heads: int, num_blocks: int, *parts_and_globals) -> BlockLayout:
+    *parts, is_global = parts_and_globals
+    blocks = [blocks.expand(heads, num_blocks, -1) for blocks, _ in parts]
+    valid = [valid.expand(heads, num_blocks, -1) for _, valid in parts]
+    key_blocks = torch.cat(blocks, -1).clamp(0, num_blocks - 1)
+    return BlockLayout(key_blocks.contiguous(), torch.cat(valid, -1).contiguous(), is_global)
+
+
+class BigBirdAttention(Variant):
+    name = "bigbird"
+    exact = True
+    supports_causal = True
+    supports_bidirectional = True
+    supports_dropout = True
+    time_complexity = "O(n·b·(w+r+2g))"
+    memory_complexity = "O(n·b·(w+r+2g))"
+    params = {
+        "block_size": Param(64, int, "tokens per block", min=1, max=4096),
+        "num_random_blocks": Param(3, int, "random key blocks per query block", min=0, max=64),
+        "num_global_blocks": Param(1, int, "global blocks at each end (causal: at the start)", min=0, max=64),
+        "window_blocks": Param(3, int, "odd: the block itself and window_blocks // 2 on each side", min=1, max=63),
+        "seed": Param(0, int, "seed of the random layout (hashed with layer, number of blocks and head)", min=0),
+    }
+    test_params = {"block_size": 8, "num_random_blocks": 2}
+
+    def __init__(self, **params) -> None:
+        super().__init__(**params)
+        self._layouts: OrderedDict[tuple, BlockLayout] = OrderedDict()
+
+    def check_config(self) -> None:
+        if self.config["window_blocks"] % 2 == 0:
+            raise VariantParameterError(
+                f"attention-zoo variant 'bigbird': parameter 'window_blocks' = {self.config['window_blocks']} is "
+                "invalid; allowed: an odd number (the block itself and as many blocks on each side), e.g. 3."
+            )
+
+    # -- layout --------------------------------------------------------------------------------------------
+
+    def layout(self, layer_idx: int, num_blocks: int, heads: int, causal: bool, device: torch.device) -> BlockLayout:
+        """The (cached) block layout of one layer at ``num_blocks`` blocks."""
+        key = (layer_idx, num_blocks, heads, causal, torch.device(device))
+        cached = self._layouts.get(key)
+        if cached is not None:
+            self._layouts.move_to_end(key)
+            return cached
+        uniforms = layout_uniforms(self.seed, layer_idx, num_blocks, heads, self.num_random_blocks, causal)
+        build = causal_layout if causal else bidirectional_layout
+        layout = build(num_blocks, self.window_blocks // 2, self.num_global_blocks, uniforms).to(device)
+        self._layouts[key] = layout
+        if len(self._layouts) > LAYOUT_CACHE_SIZE:
+            self._layouts.popitem(last=False)
+        return layout
+
+    def pattern(self, call: AttentionCall, q_len: int, kv_len: int) -> IndexPredicate:
+        block = self.block_size
+        num_blocks = -(-kv_len // block)
+
+        def bigbird_blocks(batch_idx, head_idx, q_idx, kv_idx):
+            heads = int(torch.as_tensor(head_idx).max()) + 1
+            layout = self.layout(call.layer_idx, num_blocks, heads, call.causal, torch.as_tensor(q_idx).device)
+            return layout.adjacency[head_idx, q_idx // block, kv_idx // block]
+
+        return bigbird_blocks
+
+    def flops(self, n: int, heads: int, head_dim: int, causal: bool = False) -> float:
+        block, g, r, half = self.block_size, self.num_global_blocks, self.num_random_blocks, self.window_blocks // 2
+        num_blocks = -(-n // block)
+        if causal:
+            keys = min(half + 1 + g + r, num_blocks) * block - block / 2
+            return 4.0 * heads * head_dim * num_blocks * block * keys
+        global_rows = min(2 * g, num_blocks) * block
+        middle_keys = min(2 * half + 1 + 2 * g + r, num_blocks) * block
+        padded = num_blocks * block
+        return 4.0 * heads * head_dim * (global_rows * padded + (padded - global_rows) * middle_keys)
+
+    # -- kernel --------------------------------------------------------------------------------------------
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        block, kv_len = self.block_size, k.shape[-2]
+        num_blocks = -(-kv_len // block)
+        layout = self.layout(call.layer_idx, num_blocks, q.shape[1], call.causal, q.device)
+        key_real = self._real_keys(call.padding_mask, kv_len, num_blocks * block, q.device)
+        k, v = pad_to_multiple(k, block), pad_to_multiple(v, block)
+        if call.causal:
+            return self._attend_causal(q, k, v, layout, key_real, call, kv_len)
+        return self._attend_bidirectional(q, k, v, layout, key_real, call)
+
+    @staticmethod
+    def _real_keys(padding_mask: torch.Tensor | None, kv_len: int, padded_len: int, device) -> torch.Tensor:
+        """(B or 1, padded_len) bool: real keys (the internal block padding is never real)."""
+        if padding_mask is None:
+            padding_mask = torch.ones(1, kv_len, dtype=torch.bool, device=device)
+        return F.pad(padding_mask.to(device=device, dtype=torch.bool), (0, padded_len - kv_len), value=False)
+
+    def _attend_bidirectional(self, q, k, v, layout: BlockLayout, key_real, call: AttentionCall) -> torch.Tensor:
+        block, n = self.block_size, q.shape[-2]
+        num_blocks = layout.global_queries.shape[0]
+        front = min(self.num_global_blocks, num_blocks)
+        back = max(num_blocks - self.num_global_blocks, front)
+        q = pad_to_multiple(q, block)
+        parts = []
+        if back > front:
+            middle = q[:, :, front * block : back * block]
+            parts.append(self._blocked(middle, k, v, layout, range(front, back), key_real, call))
+        global_q = torch.cat([q[:, :, : front * block], q[:, :, back * block :]], dim=2)
+        if global_q.shape[-2]:
+            everything = None if bool(key_real.all()) else key_real[:, None, None, :]
+            global_out = rows_attention(global_q, k, v, everything, call)
+            parts = [global_out[:, :, : front * block], *parts, global_out[:, :, front * block :]]
+        return torch.cat(parts, dim=2)[:, :, :n]
+
+    def _attend_causal(self, q, k, v, layout: BlockLayout, key_real, call: AttentionCall, kv_len: int):
+        """Queries are the last q_len of the kv_len positions (a KV cache holds the earlier ones): pad them on
+        the left to a block boundary so query block i covers the positions of key block i."""
+        block, q_len, padded_len = self.block_size, q.shape[-2], k.shape[-2]
+        first_block, lead = divmod(kv_len - q_len, block)
+        q = F.pad(q, (0, 0, lead, padded_len - kv_len))
+        positions = torch.arange(first_block * block, padded_len, device=q.device).view(-1, block)
+        rows = range(first_block, padded_len // block)
+        out = self._blocked(q, k, v, layout, rows, key_real, call, positions)
+        return out[:, :, lead : lead + q_len]
+
+    def _blocked(self, q, k, v, layout: BlockLayout, rows: range, key_real, call: AttentionCall,
+                 query_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Query blocks ``rows`` (q holds exactly those rows, (B, H, G*block, D)) over their gathered key blocks."""
+        block = self.block_size
+        batch, heads, _, dim = q.shape
+        groups = len(rows)
+        key_blocks = layout.key_blocks[:, rows.start : rows.stop]  # (H, G, K)
+        slots = key_blocks.shape[-1]
+        key_positions = (key_blocks[..., None] * block + torch.arange(block, device=q.device)).flatten(-2)
+        allowed = layout.valid[:, rows.start : rows.stop].repeat_interleave(block, -1) & key_real[:, key_positions]
+        allowed = allowed[..., None, :]  # (B|1, H, G, 1, K*block)
+        if query_positions is not None:  # causal: (G, block) absolute positions of the query rows
+            allowed = allowed & (key_positions[:, :, None, :] <= query_positions[None, :, :, None])
+        q_blocks = q.reshape(batch, heads * groups, block, dim)
+        k_blocks = select_blocks(k, block, key_blocks).view(batch, heads * groups, slots * block, dim)
+        v_blocks = select_blocks(v, block, key_blocks).view(batch, heads * groups, slots * block, dim)
+        allowed = allowed.reshape(allowed.shape[0], heads * groups, allowed.shape[-2], slots * block)
+        out = blocked_attention(q_blocks, k_blocks, v_blocks, allowed, call)
+        return out.view(batch, heads, groups * block, dim)
