@@ -1,0 +1,274 @@
+"""``longformer``: sliding-window attention with global tokens (Beltagy et al. 2020).
+
+Pattern (the spec the kernel is tested against). Query ``i`` sees key ``j`` when
+
+* ``j`` lies in its window: ``|i - j| <= (window // 2) * dilation`` and ``(i - j) % dilation == 0``
+  (``window`` has the meaning of transformers' ``LongformerConfig.attention_window``: ``window // 2``
+  tokens on each side, the token itself included), or
+* ``i`` or ``j`` is a global token: global tokens attend to everything and everything attends to them.
+
+Global tokens are the positions in ``global_tokens`` (default ``[0]`` bidirectional, ``[]`` causal) plus
+the nonzero entries of a per-batch ``global_attention_mask`` (batch, seq) passed to ``model(...)`` as a
+keyword. Padded tokens are never global and never attended. A key is counted once in each softmax even
+when it is both global and inside the query's window.
+
+Causal mode: the band keeps its left half (``window // 2`` tokens to the left, the token itself
+included), and causality wins over globality: a global token sees only itself and the past, and a query
+sees a global token only if it is not in its future.
+
+Difference from the paper and from transformers' ``LongformerSelfAttention``: global tokens use the
+layer's own q/k/v projections, not separate ``query_global``/``key_global``/``value_global`` ones (the
+attention interface hands the kernel one set of q/k/v). The output equals transformers' module when its
+global projections are set equal to the local ones.
+
+Kernel: queries in blocks; each block attends, in one batched SDPA call, to a strided view of the band
+around it plus the global keys appended to every block (global keys are masked inside the band so they
+count once); global query rows then attend to all keys (``rows_attention``) and overwrite their rows.
+O(n·(window + globals)) time and memory. Inputs are padded only to a block multiple (a short input is
+one block of its own length, never padded up to the window). Dilation regroups the sequence into
+``dilation`` interleaved lanes, in which the dilated window is a contiguous one (one gather); dilation 1
+is the copy-free fast path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from zoo.ops import band_blocks, band_positions, blocked_attention, rows_attention, split_blocks
+from zoo.variant import AttentionCall, Param, Variant
+
+MAX_BLOCK = 128  # queries per block at the default window; tuned on CPU (64..256 run close)
+MIN_BLOCK = 16
+
+
+class LongformerAttention(Variant):
+    name = "longformer"
+    exact = True
+    supports_causal = True
+    supports_bidirectional = True
+    supports_dropout = True
+    time_complexity = "O(n·w)"
+    memory_complexity = "O(n·w)"
+    params = {
+        "window": Param(
+            512, int, "attended span: window // 2 tokens on each side (causal: to the left)", min=2, per_layer=True
+        ),
+        "dilation": Param(1, int, "gap between attended tokens in the window", min=1),
+        "global_tokens": Param(
+            None, list, "positions with global attention; None = [0] bidirectional, [] causal",
+            optional=True, list_of=int, min=0,
+        ),
+    }
+    test_params = {"window": 16, "global_tokens": [0, 37]}
+
+    # ----------------------------------------------------------------------------------------------
+    # the spec
+
+    def pattern(self, call: AttentionCall, q_len: int, kv_len: int):
+        reach = self._half(call.layer_idx) * self.dilation
+        dilation = self.dilation
+        is_global = self.global_mask(call, kv_len, call.padding_mask.device if call.padding_mask is not None else None)
+
+        def longformer_pattern(b, h, q_idx, kv_idx):
+            offset = q_idx - kv_idx
+            allowed = (offset.abs() <= reach) & (offset % dilation == 0)
+            if is_global is None:
+                return allowed
+            if is_global.shape[0] > 1 and b.numel() == 1:  # the caller did not broadcast the batch
+                b = torch.arange(is_global.shape[0], device=is_global.device).view(-1, 1, 1, 1)
+            g = is_global.to(q_idx.device)
+            return allowed | g[b, q_idx] | g[b, kv_idx]
+
+        return longformer_pattern
+
+    def global_mask(self, call: AttentionCall, n: int, device=None) -> torch.Tensor | None:
+        """(batch or 1, n) bool of global tokens (real tokens only), or None when there are none."""
+        positions = self.global_tokens if self.global_tokens is not None else ([] if call.causal else [0])
+        positions = [p for p in positions if p < n]  # positions past a short input do not exist
+        per_batch = call.extra.get("global_attention_mask")
+        if not positions and per_batch is None:
+            return None
+        mask = torch.zeros(1, n, dtype=torch.bool, device=device)
+        mask[0, positions] = True
+        if per_batch is not None:
+            mask = mask | _checked_global_attention_mask(per_batch, n).to(mask.device)
+        if call.padding_mask is not None:
+            mask = mask & call.padding_mask.to(mask.device)
+        return mask if bool(mask.any()) else None
+
+    def _half(self, layer_idx: int) -> int:
+        return self.per_layer("window", layer_idx) // 2
+
+    # ----------------------------------------------------------------------------------------------
+    # the kernel
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        q_len, n = q.shape[-2], k.shape[-2]
+        half, dilation = self._half(call.layer_idx), self.dilation
+        key_real = call.padding_mask if call.padding_mask is not None else q.new_ones(1, n, dtype=torch.bool)
+        is_global = self.global_mask(call, n, q.device)
+        # With a KV cache (q_len < n) only the last half * dilation keys before the first query are in reach.
+        start = max(0, n - q_len - half * dilation)
+        band_q = F.pad(q, (0, 0, n - q_len - start, 0))  # (a no-op unless decoding with a cache)
+        positions = torch.arange(start, n, device=q.device)
+        if is_global is None:
+            return _local_attention(band_q, k[..., start:, :], v[..., start:, :], key_real[:, start:], call,
+                                    half, dilation)[..., -q_len:, :]
+        slots, valid = _global_slots(is_global)
+        extra_k, extra_v = _gather_rows(k, slots), _gather_rows(v, slots)
+        extra_ok = valid[:, None, :]  # (B, 1, G): every query sees every global key ...
+        if call.causal:  # ... that is not in its future
+            extra_ok = extra_ok & (slots[:, None, :] <= positions[None, :, None])
+        band_ok = (key_real & ~is_global)[:, start:]  # global keys are counted in the appended part only
+        local = _local_attention(band_q, k[..., start:, :], v[..., start:, :], band_ok, call, half, dilation,
+                                 (extra_k, extra_v, extra_ok))[..., -q_len:, :]
+        rows_at = slots - (n - q_len)  # global tokens among the queries (all of them unless decoding)
+        valid = valid & (rows_at >= 0)
+        rows_at = rows_at.clamp_min(0)
+        rows = _global_rows(_gather_rows(q, rows_at), k, v, key_real, slots, valid, call)
+        return _overwrite_rows(local, rows, rows_at, valid, is_global[:, n - q_len:])
+
+    def flops(self, n: int, heads: int, head_dim: int, causal: bool = False) -> float:
+        """Forward QK^T + PV FLOPs the blocked kernel really computes (masked band edges included)."""
+        windows = self.config["window"] if isinstance(self.window, list) else [self.window]
+        half = sum(windows) // len(windows) // 2
+        globals_ = len(self.global_tokens) if self.global_tokens is not None else (0 if causal else 1)
+        lane = math.ceil(n / self.dilation)
+        block, blocks, before, after = _geometry(half, lane, causal)
+        keys_per_query = before + block + after + globals_
+        scored = self.dilation * blocks * block * keys_per_query + globals_ * n
+        return 4.0 * scored * heads * head_dim
+
+
+# --------------------------------------------------------------------------------------------------
+# kernel pieces
+
+
+def _checked_global_attention_mask(mask: torch.Tensor, n: int) -> torch.Tensor:
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[-1] != n:
+        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(
+            f"attention-zoo variant 'longformer': global_attention_mask must be a (batch, seq_len) tensor with "
+            f"seq_len = {n} (nonzero = global), got {shape}. Pass it with the same shape as attention_mask."
+        )
+    return mask != 0
+
+
+def _geometry(half: int, length: int, causal: bool) -> tuple[int, int, int, int]:
+    """Block size, number of blocks, and band keys before/after each block for a sequence of ``length``."""
+    block = min(MAX_BLOCK, max(MIN_BLOCK, _round_up(math.ceil(half / 2), MIN_BLOCK)), length)
+    blocks = math.ceil(length / block)
+    before = min(_round_up(half, block), (blocks - 1) * block)
+    return block, blocks, before, 0 if causal else before
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _global_slots(is_global: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions of each row's global tokens in ascending order, (B, G), and which slots are real, (B, G)."""
+    counts = is_global.sum(-1)
+    width = int(counts.max())
+    order = torch.sort(is_global.to(torch.uint8), dim=-1, descending=True, stable=True).indices
+    slots = order[:, :width]
+    valid = torch.arange(width, device=is_global.device)[None, :] < counts[:, None]
+    return slots, valid
+
+
+def _gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x (B, H, N, D), rows (B|1, R) -> (B, H, R, D)."""
+    b, h, _, d = x.shape
+    index = rows[:, None, :, None].expand(b, h, rows.shape[-1], d)
+    return x.gather(2, index)
+
+
+def _local_attention(q, k, v, band_ok, call, half, dilation, extra=None) -> torch.Tensor:
+    """Every query over its window (keys allowed by ``band_ok`` (B|1, n)) plus ``extra`` appended keys.
+
+    q/k/v (B, H, n, D); ``extra`` = (keys (B, H, G, D), values, allowed (B, 1|n, G)). Pads to a block
+    multiple (dilation: splits into lanes first) and returns (B, H, n, D).
+    """
+    batch, heads, n, head_dim = q.shape
+    lane = math.ceil(n / dilation)
+    block, blocks, _, _ = _geometry(half, lane, call.causal)
+    padded = blocks * block * dilation
+    q, k, v = (F.pad(x, (0, 0, 0, padded - n)) for x in (q, k, v))
+    band_ok = F.pad(band_ok.expand(batch, n), (0, padded - n))
+    if extra is not None:
+        extra_k, extra_v, extra_ok = extra
+        extra_ok = F.pad(extra_ok.expand(batch, n, -1), (0, 0, 0, padded - n))
+    if dilation > 1:
+        q, k, v = (_to_lanes(x, 2, dilation) for x in (q, k, v))
+        band_ok = _to_lanes(band_ok, 1, dilation)
+        if extra is not None:
+            extra_ok = _to_lanes(extra_ok, 1, dilation)
+            extra_k, extra_v = (x.repeat_interleave(dilation, dim=0) for x in (extra_k, extra_v))
+    out = _banded(q, k, v, band_ok, half, block, call, None if extra is None else (extra_k, extra_v, extra_ok))
+    if dilation > 1:
+        out = _from_lanes(out, 2, dilation)
+    return out[..., :n, :]
+
+
+def _to_lanes(x: torch.Tensor, dim: int, dilation: int) -> torch.Tensor:
+    """Position m * dilation + r goes to lane r at index m; lanes join the batch: (B, .., n, ..) -> (B*d, .., n/d)."""
+    return x.unflatten(dim, (-1, dilation)).movedim(dim + 1, 1).flatten(0, 1)
+
+
+def _from_lanes(x: torch.Tensor, dim: int, dilation: int) -> torch.Tensor:
+    return x.unflatten(0, (-1, dilation)).movedim(1, dim + 1).flatten(dim, dim + 1)
+
+
+def _band_allowed(band_ok: torch.Tensor, half: int, block: int, before: int, after: int, causal: bool):
+    """(B, G, block, K) bool: the window (same offsets in every block) and the keys the band may use."""
+    offsets = band_positions(1, block, before, after, band_ok.device)[0][None, :] - torch.arange(
+        block, device=band_ok.device
+    )[:, None]  # key position - query position, (block, K)
+    in_window = (offsets >= -half) & (offsets <= (0 if causal else half))
+    keys_ok = band_blocks(band_ok[:, None, :, None], block, before, after)  # (B, 1, G, K, 1)
+    return in_window & keys_ok[:, 0, :, None, :, 0]
+
+
+def _banded(q, k, v, band_ok, half, block, call, extra) -> torch.Tensor:
+    """The blocked kernel on a block-multiple length. Layout (B*G, H, block, D): the mask broadcasts over heads."""
+    batch, heads, n, head_dim = q.shape
+    _, blocks, before, after = _geometry(half, n, call.causal)
+    allowed = _band_allowed(band_ok, half, block, before, after, call.causal)
+    q_blocks = split_blocks(q, block).transpose(1, 2).reshape(batch * blocks, heads, block, head_dim)
+    k_band, v_band = (band_blocks(x, block, before, after).transpose(1, 2) for x in (k, v))  # (B, G, H, K, D)
+    if extra is not None:
+        extra_k, extra_v, extra_ok = extra
+        count = extra_k.shape[-2]
+        k_band, v_band = (
+            torch.cat([band, x[:, None].expand(batch, blocks, heads, count, head_dim)], dim=3)
+            for band, x in ((k_band, extra_k), (v_band, extra_v))
+        )
+        allowed = torch.cat([allowed, extra_ok.view(batch, blocks, block, count)], dim=-1)
+    keys = k_band.shape[3]
+    out = blocked_attention(
+        q_blocks,
+        k_band.reshape(batch * blocks, heads, keys, head_dim),
+        v_band.reshape(batch * blocks, heads, keys, head_dim),
+        allowed.view(batch * blocks, 1, block, keys),
+        call,
+    )
+    return out.view(batch, blocks, heads, block, head_dim).transpose(1, 2).reshape(batch, heads, n, head_dim)
+
+
+def _global_rows(q_rows, k, v, key_real, slots, valid, call) -> torch.Tensor:
+    """Global query rows (B, H, G, D) at positions ``slots`` over every real key (causal: up to themselves)."""
+    allowed = key_real[:, None, None, :] & valid[:, None, :, None]
+    if call.causal:
+        allowed = allowed & (torch.arange(k.shape[-2], device=k.device) <= slots[:, None, :, None])
+    return rows_attention(q_rows, k, v, allowed, call)
+
+
+def _overwrite_rows(local, rows, rows_at, valid, is_global) -> torch.Tensor:
+    """``local`` (B, H, n, D) with the rows of global queries replaced by ``rows`` (B, H, G, D)."""
+    batch, heads, count, head_dim = rows.shape
+    index = rows_at[:, None, :, None].expand(batch, heads, count, head_dim)
+    placed = torch.zeros_like(local).scatter_add(2, index, rows * valid[:, None, :, None])
+    return torch.where(is_global[:, None, :, None], placed, local)
