@@ -10,10 +10,13 @@ from zoo.ops.blocked import (
     split_blocks,
 )
 from zoo.ops.dense import allowed_mask, expand_kv, pad_to_multiple, safe_softmax, softmax_attention
+from zoo.ops.union import KeyPart, band_part, union_attention
 
 __all__ = [
+    "KeyPart",
     "allowed_mask",
     "band_blocks",
+    "band_part",
     "band_positions",
     "blocked_attention",
     "expand_kv",
@@ -23,4 +26,5 @@ __all__ = [
     "safe_softmax",
     "softmax_attention",
     "split_blocks",
+    "union_attention",
 ]

@@ -1,0 +1,195 @@
+"""``sparse_transformer``: the factorized patterns of Child et al. 2019, "Generating Long Sequences with Sparse
+Transformers", with stride l (``stride``) and c summary columns (``num_summary``).
+
+The paper splits each pattern into two heads (or two interleaved layers); here one attention uses the **union**
+of the two heads' key sets, in one softmax per query (causality and padding applied on top):
+
+* ``strided``: local ``|i − j| < l`` (causal: the l previous tokens, itself included) ∪ every l-th column
+  ``(i − j) mod l == 0``.
+* ``fixed``: same block ``⌊i/l⌋ == ⌊j/l⌋`` ∪ summary columns ``j mod l ≥ l − c``.
+
+Kernels (never n x n; n ≤ l is the one case where the pattern covers everything and one small SDPA runs):
+
+* ``fixed``: query blocks of l; each block's keys are its own block (``split_blocks`` view) plus the gathered
+  summary columns of the other blocks (earlier blocks only when causal), one batched blocked SDPA.
+  O(n·(l + c·n/l)).
+* ``strided``: the every-l-th columns differ per query row (query i needs residue class i mod l), so no key
+  set appended to a block of consecutive queries is exact without n x n waste. Instead the two parts are two
+  blocked score tensors sharing one softmax: the local band through ``band_blocks`` (query blocks of
+  ``_local_block(l)``), and the strided part with tokens regrouped by residue (view (n/l, l) transposed to
+  (l, n/l)), where each residue class is a small dense attention of n/l queries over its n/l keys. The two
+  parts overlap only on the diagonal j = i, which the strided part leaves out. O(n·(2l + n/l)): O(n·√n) at
+  l ≈ √n.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zoo.ops import (
+    KeyPart,
+    band_part,
+    blocked_attention,
+    pad_to_multiple,
+    split_blocks,
+    union_attention,
+)
+from zoo.variant import AttentionCall, Param, Variant, VariantParameterError
+
+
+class SparseTransformerAttention(Variant):
+    name = "sparse_transformer"
+    exact = True
+    time_complexity = "O(n·(l + n/l)) = O(n·√n) at l ≈ √n"
+    memory_complexity = "O(n·(l + n/l))"
+    params = {
+        "pattern": Param("strided", str, "'strided' (local ∪ every l-th) or 'fixed' (block ∪ summaries)",
+                         choices=("strided", "fixed")),
+        "stride": Param(128, int, "l: local width and column period", min=2),
+        "num_summary": Param(8, int, "c: summary columns at the end of each block ('fixed' only)", min=1),
+    }
+    test_params = {"stride": 8, "num_summary": 2}
+
+    def check_config(self) -> None:
+        if self.num_summary > self.stride:
+            raise VariantParameterError(
+                f"attention-zoo variant 'sparse_transformer': parameter 'num_summary' = {self.num_summary} must be "
+                f"<= 'stride' = {self.stride} (a block of l tokens has at most l summary columns)."
+            )
+
+    # ---------------------------------------------------------------------------------------------------
+    # the spec
+
+    def pattern(self, call: AttentionCall, q_len: int, kv_len: int):
+        stride, summary = self.stride, self.num_summary
+        if self.config["pattern"] == "strided":
+            def strided(batch_idx, head_idx, q_idx, kv_idx):
+                return ((q_idx - kv_idx).abs() < stride) | ((q_idx - kv_idx) % stride == 0)
+
+            return strided
+
+        def fixed(batch_idx, head_idx, q_idx, kv_idx):
+            return (q_idx // stride == kv_idx // stride) | (kv_idx % stride >= stride - summary)
+
+        return fixed
+
+    def flops(self, n: int, heads: int, head_dim: int, causal: bool = False) -> float:
+        """Scores the kernel computes (masked ones included) times 4·d (QK^T and PV)."""
+        stride = self.stride
+        if n <= stride:
+            return 4.0 * n * n * heads * head_dim
+        rows = math.ceil(n / stride)
+        if self.config["pattern"] == "strided":
+            block = _local_block(stride)
+            keys_per_query = _band_reach(stride, block) * (1 if causal else 2) + block + rows
+        else:
+            keys_per_query = stride + rows * self.num_summary
+        return 4.0 * rows * stride * keys_per_query * heads * head_dim
+
+    # ---------------------------------------------------------------------------------------------------
+    # the kernel
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        q_len, n = q.shape[-2], k.shape[-2]
+        if q_len != n:
+            return self.attend_new_tokens(q, k, v, call)
+        if n <= self.stride:  # the pattern covers every pair: plain attention is the exact answer
+            return _full_attention(q, k, v, call)
+        key_real = _key_real(call.padding_mask, n, self.stride, q.device)
+        q, k, v = (pad_to_multiple(x, self.stride) for x in (q, k, v))
+        if self.config["pattern"] == "strided":
+            parts = _strided_parts(q, k, v, key_real, call.causal, self.stride)
+        else:
+            parts = _fixed_parts(q, k, v, key_real, call.causal, self.stride, self.num_summary)
+        return union_attention(parts, call)[:, :, :n]
+
+    def attend_new_tokens(self, q, k, v, call: AttentionCall) -> torch.Tensor:
+        """KV-cache steps (causal, q_len < kv_len, queries are the last positions): O(q_len·n) rows."""
+        q_len, n = q.shape[-2], k.shape[-2]
+        if not call.causal or q_len > self.stride:
+            raise ValueError(
+                f"attention-zoo variant 'sparse_transformer': query length {q_len} != key length {n} is only "
+                f"supported for causal KV-cache steps of at most stride={self.stride} new tokens."
+            )
+        q_pos = torch.arange(n - q_len, n, device=q.device)[:, None]
+        kv_pos = torch.arange(n, device=q.device)[None, :]
+        allowed = self.pattern(call, q_len, n)(None, None, q_pos, kv_pos) & (kv_pos <= q_pos)
+        if call.padding_mask is not None:
+            allowed = allowed[None, None] & call.padding_mask[:, None, None, :]
+        return blocked_attention(q, k, v, allowed, call)
+
+
+# -------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def _local_block(stride: int) -> int:
+    """Query block of the strided kernel's local band: half the stride (less masked waste than a full stride,
+    still matmuls of useful size); the stride itself when odd or small."""
+    return stride // 2 if stride % 2 == 0 and stride >= 32 else stride
+
+
+def _band_reach(stride: int, block: int) -> int:
+    """Keys before (and after) a query block that cover ``|i − j| < stride``: stride − 1 rounded up to blocks."""
+    return math.ceil((stride - 1) / block) * block
+
+
+def _key_real(padding_mask: torch.Tensor | None, n: int, stride: int, device) -> torch.Tensor:
+    """(batch|1, n padded to a stride multiple) bool: True for real keys (padding and the internal tail False)."""
+    real = padding_mask if padding_mask is not None else torch.ones(1, n, dtype=torch.bool, device=device)
+    return pad_to_multiple(real, stride, dim=-1, value=False)
+
+
+def _full_attention(q, k, v, call: AttentionCall) -> torch.Tensor:
+    n = q.shape[-2]
+    allowed = None
+    if call.padding_mask is not None:
+        allowed = call.padding_mask[:, None, None, :]
+    if call.causal:
+        positions = torch.arange(n, device=q.device)
+        causal = positions[None, :] <= positions[:, None]  # n <= stride: small
+        allowed = causal if allowed is None else allowed & causal
+    return blocked_attention(q, k, v, allowed, call)
+
+
+def _strided_parts(q, k, v, key_real, causal: bool, stride: int) -> list[KeyPart]:
+    """Local band (query blocks of ``_local_block``) and same-residue columns (j ≡ i mod l, j != i)."""
+    n = q.shape[-2]
+    local = band_part(q, k, v, key_real, stride, causal, _local_block(stride))
+    row = torch.arange(n // stride, device=q.device)
+    other_row = (row[None, :] < row[:, None]) if causal else (row[None, :] != row[:, None])
+    column_real = _to_residue_rows(key_real[:, None, :, None], stride)[..., 0]  # (B|1, 1, l, rows)
+    columns = KeyPart(
+        _to_residue_rows(q, stride), _to_residue_rows(k, stride), _to_residue_rows(v, stride),
+        other_row[None, None, None] & column_real[:, :, :, None, :], transposed=True,
+    )
+    return [local, columns]
+
+
+def _fixed_parts(q, k, v, key_real, causal: bool, stride: int, summary: int) -> list[KeyPart]:
+    """Own block (a view) and the summary columns of the other blocks (earlier ones when causal)."""
+    blocks = q.shape[-2] // stride
+    block_idx = torch.arange(blocks, device=q.device)
+    columns = (block_idx[:, None] * stride + torch.arange(stride - summary, stride, device=q.device)).flatten()
+    within = torch.ones(stride, stride, dtype=torch.bool, device=q.device)
+    if causal:
+        within = within.tril()
+    own = KeyPart(
+        split_blocks(q, stride), split_blocks(k, stride), split_blocks(v, stride),
+        within & split_blocks(key_real[:, None, :, None], stride).transpose(-1, -2),  # (B|1, 1, G, l, l)
+    )
+    column_block = columns // stride
+    other = (column_block[None, :] < block_idx[:, None]) if causal else (column_block[None, :] != block_idx[:, None])
+    shared = (k[:, :, columns], v[:, :, columns])
+    summaries = KeyPart(
+        split_blocks(q, stride), *(x[:, :, None].expand(-1, -1, blocks, -1, -1) for x in shared),
+        (other & key_real[:, None, columns])[:, None, :, None, :],  # (B|1, 1, G, 1, C)
+    )
+    return [own, summaries]
+
+
+def _to_residue_rows(x: torch.Tensor, stride: int) -> torch.Tensor:
+    """(B, H, n, D) -> (B, H, l, n/l, D): token r + a·l at [r, a] (a view)."""
+    return x.view(x.shape[0], x.shape[1], -1, stride, x.shape[-1]).transpose(2, 3)
