@@ -27,6 +27,16 @@ class RaisingVariant(zoo.Variant):
         raise RuntimeError("boom from the test variant")
 
 
+class MemoryHogVariant(zoo.Variant):
+    """Asks for more memory than the machine has (never touching it): the cap must turn that into an error."""
+
+    name = "bench_test_hog"
+
+    def attend(self, q, k, v, call):
+        torch.empty(int(0.95 * bench.available_memory_bytes(bench.BenchSettings())), dtype=torch.uint8)
+        return q
+
+
 def read_rows(out):
     with open(out / "bench.csv") as handle:
         return list(csv.DictReader(handle))
@@ -93,16 +103,18 @@ def test_quick_notes_hf_bigbird_full_attention_fallback(quick_run):
     assert rows[("hf_bigbird", 1024)]["status"] == "ok"
 
 
-def test_failing_variant_is_recorded_and_budget_skips_are_noted(tmp_path):
+def test_failing_variants_are_recorded_and_budget_skips_are_noted(tmp_path):
     zoo.register_variant(RaisingVariant)
+    zoo.register_variant(MemoryHogVariant)
     try:
         code = main([
-            "bench", "--variants", "sdpa", "bench_test_raises", "--lengths", "512", "1024",
+            "bench", "--variants", "sdpa", "bench_test_raises", "bench_test_hog", "--lengths", "512", "1024",
             "--hidden", "64", "--heads", "2", "--repeats", "1", "--warmup", "0", "--max-seconds", "1e-6",
             "--error-length", "256", "--roof-size", "128", "--no-progress", "--output-dir", str(tmp_path),
         ])
     finally:
         zoo.unregister_variant(RaisingVariant.name)
+        zoo.unregister_variant(MemoryHogVariant.name)
     assert code == 0
     rows = {(r["variant"], int(r["n"])): r for r in read_rows(tmp_path)}
     assert rows[("sdpa", 512)]["status"] == "ok"
@@ -111,6 +123,9 @@ def test_failing_variant_is_recorded_and_budget_skips_are_noted(tmp_path):
     for n in (512, 1024):
         assert rows[("bench_test_raises", n)]["status"] == "error"
         assert "RuntimeError: boom from the test variant" in rows[("bench_test_raises", n)]["note"]
+    assert rows[("bench_test_hog", 512)]["status"] == "error"
+    assert "can't allocate memory" in rows[("bench_test_hog", 512)]["note"]
+    assert rows[("bench_test_hog", 1024)]["note"].startswith("skipped: failed at n=512")
     markdown = (tmp_path / "bench.md").read_text()
     assert "skipped: est." in markdown and "boom from the test variant" in markdown
     for name in OUTPUTS:

@@ -199,7 +199,17 @@ def describe_error(exc: BaseException) -> str:
 # process isolation
 
 
-def _child_main(conn, threads: int, fn, args: tuple) -> None:
+def _cap_memory(extra_bytes: float) -> None:
+    """Let this process map at most ``extra_bytes`` more data: a kernel that outgrows the machine then fails
+    with a clear allocation error (recorded in the table) instead of waking the OOM killer."""
+    with open("/proc/self/status") as status:
+        fields = dict(line.split(":", 1) for line in status)
+    limit = int(fields["VmData"].split()[0]) * 1024 + int(extra_bytes)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+
+def _child_main(conn, threads: int, memory_cap: float, fn, args: tuple) -> None:
+    _cap_memory(memory_cap)
     torch.set_num_threads(threads)
     warnings.filterwarnings("ignore", message="attention-zoo: plugin entry point")  # the parent showed them
     try:
@@ -243,7 +253,10 @@ class Runner:
             finally:
                 torch.cuda.empty_cache()
         receiver, sender = self.context.Pipe(duplex=False)
-        process = self.context.Process(target=_child_main, args=(sender, self.settings.threads, fn, args), daemon=True)
+        memory_cap = 0.9 * available_memory_bytes(self.settings)
+        process = self.context.Process(
+            target=_child_main, args=(sender, self.settings.threads, memory_cap, fn, args), daemon=True
+        )
         try:
             process.start()
         except Exception as exc:  # e.g. a variant class that cannot be pickled
@@ -341,8 +354,10 @@ def skip_reason(contestant: Contestant, settings: BenchSettings, n: int, history
     )
     if est_time is not None and est_time > settings.max_seconds:
         return f"skipped: est. {est_time:.0f} s > --max-seconds {settings.max_seconds:g}", est_time
+    # Before two lengths are measured, memory grows as the contestant's complexity says; after, as measured
+    # (transformers' BigBird grows as n^1.6, not n², between 8K and 16K: a floor of 2 would skip it needlessly).
     growth = 2.0 if contestant.memory_grows_quadratically else 1.0
-    est_net = extrapolate(history.memory, n, lambda a, b: (b / a) ** growth, growth)
+    est_net = extrapolate(history.memory, n, lambda a, b: (b / a) ** growth, 1.0)
     if est_net is not None:
         available = available_memory_bytes(settings)
         est_peak = est_net + (baseline if settings.device == "cpu" else 0.0)
@@ -716,11 +731,20 @@ def plot(report: dict[str, Any], key: str, ylabel: str, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
     lengths = sorted({r["n"] for r in report["rows"]})
-    for name, info in report["variants"].items():
+    colors = plt.get_cmap("tab20").colors
+    lowest = []
+    for i, (name, info) in enumerate(report["variants"].items()):
         ok = [r for r in report["rows"] if r["variant"] == name and r["status"] == "ok" and r[key] > 0]
         if ok:
             style = "--" if info["kind"] == "peer" else "-"
-            ax.plot([r["n"] for r in ok], [r[key] for r in ok], style, marker="o", markersize=3, label=name)
+            ax.plot([r["n"] for r in ok], [r[key] for r in ok], style, marker="o", markersize=3, label=name,
+                    color=colors[i % len(colors)])
+            lowest.append(min(r[key] for r in ok if r["n"] == ok[0]["n"]))
+    if lowest and len(lengths) > 1:  # guides: how O(n) and O(n²) would grow from the lowest first point
+        start = min(lowest)
+        for power, label in ((1, "∝ n"), (2, "∝ n²")):
+            ax.plot(lengths, [start * (n / lengths[0]) ** power for n in lengths], ":", color="grey", linewidth=1)
+            ax.annotate(label, (lengths[-1], start * (lengths[-1] / lengths[0]) ** power), color="grey", fontsize=8)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(lengths, [str(n) for n in lengths], rotation=45)
@@ -822,7 +846,8 @@ def add_subcommand(subparsers) -> None:
     p = subparsers.add_parser(
         "bench",
         help="measure time, memory, GFLOP/s and error of every variant and the peers against n",
-        description=__doc__.split("\n\n")[0],
+        description="Measure time, peak memory, GFLOP/s and error of one attention layer with its q/k/v "
+        "projections, for every registered variant and the peers, against the sequence length n.",
     )
     p.add_argument("--variants", nargs="+", help="variants and peers to run (default: all registered + peers)")
     p.add_argument("--lengths", nargs="+", type=int, help=f"sequence lengths (default {DEFAULT_LENGTHS})")
@@ -843,7 +868,7 @@ def add_subcommand(subparsers) -> None:
     p.add_argument("--variant-params", nargs="+", default=[], metavar="NAME.KEY=VALUE",
                    help="override a parameter, e.g. longformer.window=256 hf_bigbird.num_random_blocks=2")
     p.add_argument("--quick", action="store_true", help="n in {512, 1024}, one repeat: under a minute")
-    p.add_argument("--output-dir", type=Path, default=Path("runs/bench"))
+    p.add_argument("--output-dir", type=Path, default=Path("runs/bench"), help="default: runs/bench")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_bench)
 
