@@ -107,52 +107,55 @@ def sample_distinct(uniforms: torch.Tensor, count: torch.Tensor) -> tuple[torch.
     return picks.clamp(min=0), valid
 
 
-def bidirectional_layout(num_blocks: int, half_window: int, num_global: int, uniforms: torch.Tensor) -> BlockLayout:
-    """Window ∪ global (first and last ``num_global`` blocks) ∪ random blocks drawn among the others."""
-    heads = uniforms.shape[0]
+def fixed_blocks(num_blocks: int, half_window: int, num_global: int, causal: bool):
+    """Window and global key blocks of every query block, and which query blocks are global.
+
+    Returns (blocks (nb, S) long, valid (nb, S) bool, global_queries (nb,) bool). A global block that lies in the
+    window is invalid (counted once, as window). Causal: the block and ``half_window`` blocks before it, and the
+    first ``num_global`` blocks; no query block is global (the last blocks lie in the future).
+    """
     query = torch.arange(num_blocks)[:, None]
-    window = query + torch.arange(-half_window, half_window + 1)
+    if causal:
+        window = query + torch.arange(-half_window, 1)
+        globals_ = torch.arange(num_global)[None, :]
+        global_valid = globals_ < query - half_window
+        global_queries = torch.zeros(num_blocks, dtype=torch.bool)
+    else:
+        window = query + torch.arange(-half_window, half_window + 1)
+        front, back = torch.arange(num_global), torch.arange(num_blocks - num_global, num_blocks)
+        globals_ = torch.cat([front, back])[None, :]
+        distinct = torch.cat([front < num_blocks, back >= num_global])  # short inputs: front and back overlap
+        global_valid = distinct & (globals_ >= 0) & ((globals_ - query).abs() > half_window)
+        global_queries = (query[:, 0] < num_global) | (query[:, 0] >= num_blocks - num_global)
     window_valid = (window >= 0) & (window < num_blocks)
-    front = torch.arange(num_global)
-    back = torch.arange(num_blocks - num_global, num_blocks)
-    globals_ = torch.cat([front, back])[None, :]
-    distinct = torch.cat([front < num_blocks, back >= num_global])[None, :]  # short inputs: front and back overlap
-    global_valid = distinct & (globals_ >= 0) & ((globals_ - query).abs() > half_window)
-    # Random candidates: the middle blocks [g, nb - g) outside the window [lo, hi].
-    lo = (query - half_window).clamp(min=num_global)
-    hi = (query + half_window).clamp(max=num_blocks - num_global - 1)
-    excluded = (hi - lo + 1).clamp(min=0)
-    count = (num_blocks - 2 * num_global - excluded).clamp(min=0)
-    picks, random_valid = sample_distinct(uniforms, count[:, 0])
-    random = num_global + picks
-    random = torch.where(random >= lo, random + excluded, random)
-    is_global = (query[:, 0] < num_global) | (query[:, 0] >= num_blocks - num_global)
-    return _assemble(heads, num_blocks, (window, window_valid), (globals_, global_valid), (random, random_valid),
-                     is_global)
+    blocks = torch.cat([window, globals_.expand(num_blocks, -1)], -1)
+    return blocks, torch.cat([window_valid, global_valid], -1), global_queries
 
 
-def causal_layout(num_blocks: int, half_window: int, num_global: int, uniforms: torch.Tensor) -> BlockLayout:
-    """The past only: the block and ``half_window`` blocks before it, the first ``num_global`` blocks and random
-    earlier blocks."""
-    heads = uniforms.shape[0]
-    query = torch.arange(num_blocks)[:, None]
-    window = query + torch.arange(-half_window, 1)
-    window_valid = window >= 0
-    globals_ = torch.arange(num_global)[None, :]
-    global_valid = globals_ < query - half_window  # in the past and not already in the window
-    count = (query[:, 0] - half_window - num_global).clamp(min=0)
-    picks, random_valid = sample_distinct(uniforms, count)
-    random = num_global + picks
-    return _assemble(heads, num_blocks, (window, window_valid), (globals_, global_valid), (random, random_valid),
-                     torch.zeros(num_blocks, dtype=torch.bool))
+def random_blocks(num_blocks: int, half_window: int, num_global: int, causal: bool, uniforms: torch.Tensor):
+    """(H, nb, r) random key blocks and their validity: distinct, uniform among the blocks outside the window and
+    the global blocks (causal: among earlier ones); fewer valid ones where fewer candidates exist."""
+    query = torch.arange(num_blocks)
+    if causal:  # candidates [g, i - half)
+        lo, excluded = query - half_window, torch.zeros_like(query)
+        count = (lo - num_global).clamp(min=0)
+    else:  # candidates [g, nb - g) minus the window [lo, hi]
+        lo = (query - half_window).clamp(min=num_global)
+        hi = (query + half_window).clamp(max=num_blocks - num_global - 1)
+        excluded = (hi - lo + 1).clamp(min=0)
+        count = (num_blocks - 2 * num_global - excluded).clamp(min=0)
+    ranks, valid = sample_distinct(uniforms, count)
+    blocks = num_global + ranks
+    return torch.where(blocks >= lo[:, None], blocks + excluded[:, None], blocks), valid
 
 
-def _assemble(heads: int, num_blocks: int, *parts_and_globals) -> BlockLayout:
-    *parts, is_global = parts_and_globals
-    blocks = [blocks.expand(heads, num_blocks, -1) for blocks, _ in parts]
-    valid = [valid.expand(heads, num_blocks, -1) for _, valid in parts]
-    key_blocks = torch.cat(blocks, -1).clamp(0, num_blocks - 1)
-    return BlockLayout(key_blocks.contiguous(), torch.cat(valid, -1).contiguous(), is_global)
+def make_layout(fixed, random: torch.Tensor, random_valid: torch.Tensor) -> BlockLayout:
+    """Put :func:`fixed_blocks` (shared by all heads) and per-head random blocks (H, nb, r) into one layout."""
+    blocks, valid, global_queries = fixed
+    heads, num_blocks, _ = random.shape
+    key_blocks = torch.cat([blocks.expand(heads, -1, -1), random], -1).clamp(0, num_blocks - 1)
+    valid = torch.cat([valid.expand(heads, -1, -1), random_valid], -1)
+    return BlockLayout(key_blocks.contiguous(), valid.contiguous(), global_queries)
 
 
 class BigBirdAttention(Variant):
@@ -192,9 +195,9 @@ class BigBirdAttention(Variant):
         if cached is not None:
             self._layouts.move_to_end(key)
             return cached
+        shape = (num_blocks, self.window_blocks // 2, self.num_global_blocks, causal)
         uniforms = layout_uniforms(self.seed, layer_idx, num_blocks, heads, self.num_random_blocks, causal)
-        build = causal_layout if causal else bidirectional_layout
-        layout = build(num_blocks, self.window_blocks // 2, self.num_global_blocks, uniforms).to(device)
+        layout = make_layout(fixed_blocks(*shape), *random_blocks(*shape, uniforms)).to(device)
         self._layouts[key] = layout
         if len(self._layouts) > LAYOUT_CACHE_SIZE:
             self._layouts.popitem(last=False)
