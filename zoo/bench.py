@@ -604,7 +604,7 @@ def _errors_section(report) -> list[str]:
 def _ratio_cell(speed: float | None, memory: float | None) -> str:
     if speed is None:
         return "–"
-    return f"{speed:.2f}x faster, {_fmt(memory)}x memory"
+    return f"{speed:.2f}x speed, {_fmt(memory)}x memory"
 
 
 def _peer_pairs_table(report) -> list[str]:
@@ -706,9 +706,9 @@ def render_markdown(report: dict[str, Any], command: str) -> str:
     sections = [
         ("Time (s)", _grid(report, lambda r: _fmt(r["time_s"], 3))),
         ("Peak memory (MB above an idle process)", _grid(report, lambda r: _fmt(r["mem_mb"], 0))),
-        ("Against sdpa (sdpa time / variant time; variant memory / sdpa memory)",
+        ("Against sdpa (speed = sdpa time / variant time, above 1 is faster; memory = variant / sdpa)",
          _grid(report, lambda r: _ratio_cell(r.get("speedup_vs_sdpa"), r.get("mem_vs_sdpa")))),
-        ("Against the matching peer (peer time / variant time; variant memory / peer memory)",
+        ("Against the matching peer (speed = peer time / variant time, above 1 is faster; memory = variant / peer)",
          _peer_pairs_table(report)),
         (f"Per variant (exponents fitted on log-log over n >= {FIT_FROM} when two such lengths were measured, else "
          f"all; error: relative Frobenius error at n={s['error_length']} against softmax attention restricted to "
