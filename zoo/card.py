@@ -98,7 +98,8 @@ def card_data(config: dict[str, Any], results: dict[str, Any], model_name: str) 
     _, pipeline_tag = _head_of(_architecture(config, results))
     dataset = results.get("dataset")
     dataset_id = _dataset_id(dataset, results.get("task"))
-    eval_results = _eval_results(results.get("metrics") or {}, pipeline_tag, dataset_id, dataset)
+    split = (results.get("config") or {}).get("eval_split") or "eval"
+    eval_results = _eval_results(results.get("metrics") or {}, pipeline_tag, dataset_id, dataset, split)
     base_model = results.get("base_model")
     return ModelCardData(
         library_name="transformers",
@@ -113,9 +114,9 @@ def card_data(config: dict[str, Any], results: dict[str, Any], model_name: str) 
 
 
 def _eval_results(
-    metrics: dict[str, Any], pipeline_tag: str | None, dataset_id: str | None, dataset: str | None
+    metrics: dict[str, Any], pipeline_tag: str | None, dataset_id: str | None, dataset: str | None, split: str
 ) -> list[EvalResult]:
-    """The model-index entries: accuracy, macro F1 and loss on the eval split."""
+    """The model-index entries: accuracy, macro F1 and loss on the evaluation split."""
     if not dataset_id:
         return []
     known = [  # (results.json key, Hub metric id, pretty name, metric args)
@@ -128,7 +129,7 @@ def _eval_results(
             task_type=pipeline_tag or "text-classification",
             dataset_type=dataset_id,
             dataset_name=dataset or dataset_id,
-            dataset_split="eval",
+            dataset_split=split,
             metric_type=metric_id,
             metric_name=pretty,
             metric_args=args,

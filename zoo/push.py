@@ -171,8 +171,8 @@ def _upload(plan: UploadPlan, token: str, private: bool, revision: str | None, m
         raise PushError(f"The Hub refused the push to {plan.repo_id}: {exc}{_HINTS.get(status, '')}") from exc
     except (_CLIENT_HTTP_ERROR, OSError) as exc:  # connection refused, DNS, timeout
         raise PushError(
-            f"Could not reach the Hub at {api.endpoint} to push {plan.repo_id}: {exc!r}. Nothing was changed in "
-            f"{plan.folder}; check the connection (and HF_ENDPOINT) and run zoo push again."
+            f"Could not reach the Hub at {api.endpoint} to push {plan.repo_id}: {exc!r}. The upload changed "
+            f"nothing in {plan.folder}; check the connection (and HF_ENDPOINT) and run zoo push again."
         ) from exc
     except ValueError as exc:  # the Hub's validate-yaml rejected the card metadata
         raise PushError(f"The Hub rejected {plan.folder / CARD_NAME}: {exc}") from exc
