@@ -58,8 +58,12 @@ class LongformerAttention(Variant):
         ),
         "dilation": Param(1, int, "gap between attended tokens in the window", min=1),
         "global_tokens": Param(
-            None, list, "positions with global attention; None = [0] bidirectional, [] causal",
-            optional=True, list_of=int, min=0,
+            None,
+            list,
+            "positions with global attention; None = [0] bidirectional, [] causal",
+            optional=True,
+            list_of=int,
+            min=0,
         ),
     }
     test_params = {"window": 16, "global_tokens": [0, 37]}
@@ -115,21 +119,23 @@ class LongformerAttention(Variant):
         band_q = F.pad(q, (0, 0, n - q_len - start, 0))  # (a no-op unless decoding with a cache)
         positions = torch.arange(start, n, device=q.device)
         if is_global is None:
-            return _local_attention(band_q, k[..., start:, :], v[..., start:, :], key_real[:, start:], call,
-                                    half, dilation)[..., -q_len:, :]
+            return _local_attention(
+                band_q, k[..., start:, :], v[..., start:, :], key_real[:, start:], call, half, dilation
+            )[..., -q_len:, :]
         slots, valid = _global_slots(is_global)
         extra_k, extra_v = _gather_rows(k, slots), _gather_rows(v, slots)
         extra_ok = valid[:, None, :]  # (B, 1, G): every query sees every global key ...
         if call.causal:  # ... that is not in its future
             extra_ok = extra_ok & (slots[:, None, :] <= positions[None, :, None])
         band_ok = (key_real & ~is_global)[:, start:]  # global keys are counted in the appended part only
-        local = _local_attention(band_q, k[..., start:, :], v[..., start:, :], band_ok, call, half, dilation,
-                                 (extra_k, extra_v, extra_ok))[..., -q_len:, :]
+        local = _local_attention(
+            band_q, k[..., start:, :], v[..., start:, :], band_ok, call, half, dilation, (extra_k, extra_v, extra_ok)
+        )[..., -q_len:, :]
         rows_at = slots - (n - q_len)  # global tokens among the queries (all of them unless decoding)
         valid = valid & (rows_at >= 0)
         rows_at = rows_at.clamp_min(0)
         rows = _global_rows(_gather_rows(q, rows_at), k, v, key_real, slots, valid, call)
-        return _overwrite_rows(local, rows, rows_at, valid, is_global[:, n - q_len:])
+        return _overwrite_rows(local, rows, rows_at, valid, is_global[:, n - q_len :])
 
     def flops(self, n: int, heads: int, head_dim: int, causal: bool = False) -> float:
         """Forward QK^T + PV FLOPs the blocked kernel really computes (masked band edges included)."""
@@ -224,9 +230,10 @@ def _from_lanes(x: torch.Tensor, dim: int, dilation: int) -> torch.Tensor:
 
 def _band_allowed(band_ok: torch.Tensor, half: int, block: int, before: int, after: int, causal: bool):
     """(B, G, block, K) bool: the window (same offsets in every block) and the keys the band may use."""
-    offsets = band_positions(1, block, before, after, band_ok.device)[0][None, :] - torch.arange(
-        block, device=band_ok.device
-    )[:, None]  # key position - query position, (block, K)
+    offsets = (
+        band_positions(1, block, before, after, band_ok.device)[0][None, :]
+        - torch.arange(block, device=band_ok.device)[:, None]
+    )  # key position - query position, (block, K)
     in_window = (offsets >= -half) & (offsets <= (0 if causal else half))
     keys_ok = band_blocks(band_ok[:, None, :, None], block, before, after)  # (B, 1, G, K, 1)
     return in_window & keys_ok[:, 0, :, None, :, 0]
