@@ -731,7 +731,8 @@ def plot(report: dict[str, Any], key: str, ylabel: str, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
     lengths = sorted({r["n"] for r in report["rows"]})
-    colors = plt.get_cmap("tab20").colors
+    palette = plt.get_cmap("tab20").colors
+    colors = palette[0::2] + palette[1::2]  # the 10 strong colours first, their light twins after
     lowest = []
     for i, (name, info) in enumerate(report["variants"].items()):
         ok = [r for r in report["rows"] if r["variant"] == name and r["status"] == "ok" and r[key] > 0]
