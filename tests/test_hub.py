@@ -64,7 +64,13 @@ def _results(base_model: str | None, variant: str, params: dict) -> dict:
         "max_steps": 10,
         "num_train_epochs": 1.0,
         "packages": {"attention-zoo": zoo.__version__, "transformers": transformers.__version__},
-        "config": {"variant": variant, "eval_split": "test", "learning_rate": 5e-5, "push_to_hub": True, "hub_token": FAKE_TOKEN},
+        "config": {
+            "variant": variant,
+            "eval_split": "test",
+            "learning_rate": 5e-5,
+            "push_to_hub": True,
+            "hub_token": FAKE_TOKEN,
+        },
     }
 
 
