@@ -1,0 +1,113 @@
+"""Kernelized (linear) attention from non-negative feature maps: ``out = φ(q) (φ(k)ᵀ v) / (φ(q) · Σ φ(k))``.
+
+Shared by ``performer`` (random softmax features) and ``linear`` (elu + 1). Bidirectional attention costs
+O(n·m·d); causal attention uses **chunked prefix sums**: inside a chunk a masked chunk x chunk product, across
+chunks a running ``m x d`` state summed chunk by chunk, so nothing of size n·m·d (a naive cumulative sum) or
+n x n is ever built. Accumulation is fp32 (fp64 for fp64 inputs) even for bf16/fp16 inputs or under autocast.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zoo.ops.blocked import split_blocks
+from zoo.ops.dense import pad_to_multiple
+
+
+def linear_attention(
+    q_features: torch.Tensor,
+    k_features: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    key_mask: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Normalized linear attention. Returns (B, H, Nq, D) in ``v``'s dtype.
+
+    q_features (B, H, Nq, M) and k_features (B, H, N, M) must be non-negative; v is (B, H, N, D).
+    ``key_mask`` (B, N) bool, True = real key: masked keys contribute nothing (their features and values are
+    zeroed, even if inf/NaN). Causal queries are aligned to the end of the keys (a KV cache holds ``N - Nq``
+    earlier tokens). A query with nothing to attend (zero denominator) outputs zeros, never NaN.
+    """
+    _check_shapes(q_features, k_features, v, key_mask)
+    compute = torch.float64 if v.dtype == torch.float64 else torch.float32
+    with torch.autocast(device_type=v.device.type, enabled=False):
+        phi_q, phi_k, values = q_features.to(compute), k_features.to(compute), v.to(compute)
+        if key_mask is not None:  # zero both, so inf/NaN in padded positions cannot reach real outputs
+            masked = ~key_mask[:, None, :, None]
+            phi_k, values = phi_k.masked_fill(masked, 0.0), values.masked_fill(masked, 0.0)
+        # A ones column appended to v gives the numerator and the denominator from the same matmuls.
+        values = torch.cat([values, values.new_ones(*values.shape[:-1], 1)], dim=-1)
+        if causal:
+            summed = _causal(phi_q, phi_k, values, chunk_size or default_chunk_size(phi_k.shape[-1], v.shape[-1]))
+        else:
+            summed = torch.matmul(phi_q, torch.matmul(phi_k.transpose(-1, -2), values))
+        out = summed[..., :-1] / summed[..., -1:].clamp_min(torch.finfo(compute).tiny)
+    return out.to(v.dtype)
+
+
+def linear_attention_reference(
+    q_features: torch.Tensor, k_features: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None
+) -> torch.Tensor:
+    """The definition :func:`linear_attention` implements, in O(n²) (tests and the contract suite only).
+
+    ``allowed`` is a bool mask broadcastable to (B, H, Nq, N), e.g. from :func:`zoo.ops.allowed_mask`.
+    """
+    weights = torch.matmul(q_features, k_features.transpose(-1, -2))
+    if allowed is not None:
+        weights = weights.masked_fill(~allowed, 0.0)
+    return torch.matmul(weights, v) / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
+
+
+def default_chunk_size(num_features: int, head_dim: int) -> int:
+    """Chunk length balancing the chunk x chunk part (∝ c·(m + d)) against the state part (∝ m·d).
+
+    Rounded to a power of two in [32, 256]: larger chunks run bigger, more efficient matmuls.
+    """
+    balanced = 2 * num_features * (head_dim + 1) / (num_features + head_dim + 1)
+    return int(min(256, max(32, 2 ** round(math.log2(balanced)))))
+
+
+def linear_attention_flops(n: int, num_features: int, head_dim: int, causal: bool, chunk_size: int) -> float:
+    """Forward FLOPs of :func:`linear_attention` for one head (feature maps excluded)."""
+    state_and_readout = 2 * 2.0 * n * num_features * (head_dim + 1)  # φ(k)ᵀ v and φ(q) · state
+    if not causal:
+        return state_and_readout
+    return state_and_readout + 2.0 * n * min(chunk_size, n) * (num_features + head_dim + 1)  # chunk x chunk part
+
+
+def _causal(phi_q: torch.Tensor, phi_k: torch.Tensor, values: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Σ_{j ≤ i} (φ(q_i)·φ(k_j)) values_j for every query i, chunk by chunk."""
+    q_len, kv_len = phi_q.shape[-2], phi_k.shape[-2]
+    if q_len < kv_len:  # queries sit at the end: earlier positions get zero features and are dropped below
+        phi_q = torch.cat([phi_q.new_zeros(*phi_q.shape[:-2], kv_len - q_len, phi_q.shape[-1]), phi_q], dim=-2)
+    chunk = min(chunk_size, kv_len)  # never pad a short input up to a chunk
+    q_chunks, k_chunks, v_chunks = (split_blocks(pad_to_multiple(t, chunk), chunk) for t in (phi_q, phi_k, values))
+    # Inside each chunk: the causal chunk x chunk kernel matrix.
+    weights = torch.matmul(q_chunks, k_chunks.transpose(-1, -2)).tril_()
+    summed = torch.matmul(weights, v_chunks)
+    if q_chunks.shape[2] > 1:
+        # Across chunks: state after chunk g = Σ_{g' ≤ g} φ(k_g')ᵀ values_g' (an m x (d+1) matrix per chunk);
+        # the queries of chunk g read the state after chunk g - 1.
+        states = torch.matmul(k_chunks.transpose(-1, -2), v_chunks).cumsum(dim=2)
+        summed[:, :, 1:] += torch.matmul(q_chunks[:, :, 1:], states[:, :, :-1])
+    summed = summed.flatten(2, 3)[:, :, :kv_len]
+    return summed[:, :, kv_len - q_len :]
+
+
+def _check_shapes(
+    q_features: torch.Tensor, k_features: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
+) -> None:
+    if q_features.dim() != 4 or k_features.dim() != 4 or v.dim() != 4:
+        raise ValueError("linear_attention expects 4-D (batch, heads, seq, dim) features and values")
+    if q_features.shape[-1] != k_features.shape[-1]:
+        raise ValueError(
+            f"query and key feature sizes differ ({q_features.shape[-1]} vs {k_features.shape[-1]}): "
+            "compute both with the same feature map"
+        )
+    if k_features.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"key features {tuple(k_features.shape)} and values {tuple(v.shape)} disagree on (B, H, N)")
+    if key_mask is not None and key_mask.shape != (v.shape[0], v.shape[-2]):
+        raise ValueError(f"key_mask must be (batch, kv_len) = {(v.shape[0], v.shape[-2])}, got {tuple(key_mask.shape)}")
