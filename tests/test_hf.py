@@ -72,7 +72,7 @@ def test_configure_persists_variant_params_and_source(tmp_path):
     model = transformers.AutoModelForSequenceClassification.from_config(config)
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
-    assert saved["attn_implementation"] == "attention_zoo"
+    assert saved["attn_implementation"] == zoo.IMPLEMENTATION
     assert saved["attention_zoo"]["variant"] == "chunked_exact"
     assert saved["attention_zoo"]["params"] == {"chunk_size": 8}
     assert saved["attention_zoo"]["package"] == "zoo-chunked-plugin" and saved["attention_zoo"]["version"] == "0.0.1"
@@ -88,7 +88,7 @@ def test_configure_an_instantiated_model_switches_it():
     ids, mask = _padded_batch()
     before = model(input_ids=ids, attention_mask=mask).last_hidden_state
     zoo.configure(model, "dense")
-    assert model.config._attn_implementation == "attention_zoo"
+    assert model.config._attn_implementation == zoo.IMPLEMENTATION
     after = model(input_ids=ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(after[mask.bool()], before[mask.bool()], atol=2e-5, rtol=1e-4)
 
@@ -111,7 +111,7 @@ def test_unsupported_model_is_refused_at_load_time_too(tmp_path):
     cfg = transformers.MPNetConfig(**SMALL)
     transformers.AutoModel.from_config(cfg).save_pretrained(tmp_path)
     data = json.loads((tmp_path / "config.json").read_text())
-    data.update(attn_implementation="attention_zoo", attention_zoo={"variant": "sdpa", "params": {}})
+    data.update(attn_implementation=zoo.IMPLEMENTATION, attention_zoo={"variant": "sdpa", "params": {}})
     (tmp_path / "config.json").write_text(json.dumps(data))
     with pytest.raises(zoo.hf.UnsupportedModelError):
         transformers.AutoModel.from_pretrained(tmp_path)
@@ -130,7 +130,7 @@ def test_without_import_zoo_loading_fails_loudly_instead_of_running_dense(tmp_pa
     _save_sdpa_bert(tmp_path)
     code = f"import transformers; transformers.AutoModel.from_pretrained({str(tmp_path)!r})"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode != 0 and "attention_zoo" in result.stderr
+    assert result.returncode != 0 and "pip install attention-zoo" in result.stderr
 
 
 def test_causal_only_checks_and_output_attentions_error():

@@ -378,9 +378,6 @@ print("RELOADED", zoo.variant_spec(model.config)["variant"])
     assert "RELOADED sdpa" in done.stdout
 
 
-@pytest.mark.xfail(
-    strict=True, reason="zoo/hf.py: the implementation name should name the package (issue 5, proposed to the lead)"
-)
 def test_loading_without_zoo_names_the_package_to_install(output_dir):
     script = f"import transformers as t; t.AutoModelForSequenceClassification.from_pretrained({str(output_dir)!r})"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)

@@ -1,12 +1,13 @@
-"""The Hugging Face plug: one attention implementation named ``attention_zoo`` that dispatches to the
+"""The Hugging Face plug: one attention implementation (``zoo.IMPLEMENTATION``) that dispatches to the
 variant recorded in each model's config, an O(n) padding-mask function, and config persistence.
 
 Why one name for all variants: the variant and its parameters live in ``config.attention_zoo`` (saved in
 config.json), so two models with different variants coexist in one process, and a reload needs only
 ``import zoo``. ``save_pretrained`` does not write the implementation name by itself; we add
-``"attn_implementation": "attention_zoo"`` to config dicts that carry a zoo variant, so
+``"attn_implementation": IMPLEMENTATION`` to config dicts that carry a zoo variant, so
 ``AutoModel.from_pretrained`` selects it again (and, without attention-zoo installed, transformers
-refuses the unknown ``attention_zoo`` implementation instead of silently running dense attention).
+refuses the unknown implementation -- whose name says ``pip install attention-zoo`` -- instead of
+silently running dense attention).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from zoo.variant import AttentionCall, Variant
 
 logger = logging.getLogger(__name__)
 
-IMPLEMENTATION = "attention_zoo"
+# The registered name is the only text of ours transformers shows when attention-zoo is missing
+# ("Specified `attn_implementation=...` is not supported"), so it says what to install.
+IMPLEMENTATION = "attention_zoo (pip install attention-zoo, then import zoo)"
 CONFIG_KEY = "attention_zoo"
 PIP_NAME = "attention-zoo"
 
