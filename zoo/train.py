@@ -418,7 +418,8 @@ def write_outputs(out: Path, results: dict, computer: MetricComputer, label_name
     with open(out / "eval_predictions.csv", "w", newline="") as fh:
         writer = csv.writer(fh)
         writer.writerow(["label", "prediction"])
-        writer.writerows((label_names[t], label_names[p]) for t, p in zip(computer.labels, computer.predictions))
+        pairs = zip(computer.labels, computer.predictions, strict=True)
+        writer.writerows((label_names[label], label_names[prediction]) for label, prediction in pairs)
 
 
 def publish(cfg: FinetuneConfig, out: Path) -> None:
@@ -487,7 +488,8 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"[{results['task']} / {results['variant']}] accuracy {m['eval_accuracy']:.4f}  macro-F1 "
             f"{m['eval_macro_f1']:.4f}  train {results['train_tokens_per_second']:.0f} tok/s  peak "
-            f"{results['peak_memory_mb']:.0f} MB  ({results['num_processes']} process(es)) -> {results['config']['output_dir']}"
+            f"{results['peak_memory_mb']:.0f} MB  ({results['num_processes']} process(es))"
+            f" -> {results['config']['output_dir']}"
         )
 
 
