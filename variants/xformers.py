@@ -117,7 +117,7 @@ def xformers_attention(q, k, v, call: AttentionCall, window: int | None, attenti
     real = call.padding_mask
     if real is None or bool(real.all()):
         bias = xformers_bias(call.causal, window, q_len=q_len, kv_len=kv_len)
-        return attention(*(x.transpose(1, 2) for x in (q, k, v)), attn_bias=bias, **kwargs).transpose(1, 2)
+        return attention(*(_to_bmhk(x) for x in (q, k, v)), attn_bias=bias, **kwargs).transpose(1, 2)
     if q_len != kv_len:
         raise TorchPathNeeded("KV-cache step over a padded batch")
     lengths = real.sum(-1)
@@ -151,6 +151,11 @@ def xformers_bias(causal: bool, window: int | None, seqlens=None, q_len: int = 0
     if window is not None:
         return attn_bias.LocalAttentionFromBottomRightMask(window_left=window - 1, window_right=window - 1)
     return None
+
+
+def _to_bmhk(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, N, D) -> xformers' (batch, seq, heads, dim) layout, contiguous (what every operator accepts)."""
+    return x.transpose(1, 2).contiguous()
 
 
 def pack_real_tokens(x: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -187,7 +192,7 @@ def _per_row_local(q, k, v, real, lengths, window: int, attention, kwargs) -> to
         if length == 0:
             rows.append(q.new_zeros(q.shape[1:]))
             continue
-        out = attention(*(x[b : b + 1, :, span].transpose(1, 2) for x in (q, k, v)), attn_bias=bias, **kwargs)
+        out = attention(*(_to_bmhk(x[b : b + 1, :, span]) for x in (q, k, v)), attn_bias=bias, **kwargs)
         rows.append(F.pad(out[0].transpose(0, 1), (0, 0, first, n - first - length)))
     return torch.stack(rows)
 
