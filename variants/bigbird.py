@@ -238,9 +238,11 @@ class BigBirdAttention(Variant):
         return self._attend_bidirectional(q, k, v, layout, key_real, call)
 
     @staticmethod
-    def _real_keys(padding_mask: torch.Tensor | None, kv_len: int, padded_len: int, device) -> torch.Tensor:
-        """(B or 1, padded_len) bool: real keys (the internal block padding is never real)."""
+    def _real_keys(padding_mask: torch.Tensor | None, kv_len: int, padded_len: int, device) -> torch.Tensor | None:
+        """(B or 1, padded_len) bool: real keys (the internal block padding is never real); None if all are."""
         if padding_mask is None:
+            if kv_len == padded_len:
+                return None
             padding_mask = torch.ones(1, kv_len, dtype=torch.bool, device=device)
         return F.pad(padding_mask.to(device=device, dtype=torch.bool), (0, padded_len - kv_len), value=False)
 
@@ -256,7 +258,7 @@ class BigBirdAttention(Variant):
             parts.append(self._blocked(middle, k, v, layout, range(front, back), key_real, call))
         global_q = torch.cat([q[:, :, : front * block], q[:, :, back * block :]], dim=2)
         if global_q.shape[-2]:
-            everything = None if bool(key_real.all()) else key_real[:, None, None, :]
+            everything = None if key_real is None else key_real[:, None, None, :]
             global_out = rows_attention(global_q, k, v, everything, call)
             parts = [global_out[:, :, : front * block], *parts, global_out[:, :, front * block :]]
         return torch.cat(parts, dim=2)[:, :, :n]
@@ -281,7 +283,9 @@ class BigBirdAttention(Variant):
         key_blocks = layout.key_blocks[:, rows.start : rows.stop]  # (H, G, K)
         slots = key_blocks.shape[-1]
         key_positions = (key_blocks[..., None] * block + torch.arange(block, device=q.device)).flatten(-2)
-        allowed = layout.valid[:, rows.start : rows.stop].repeat_interleave(block, -1) & key_real[:, key_positions]
+        allowed = layout.valid[:, rows.start : rows.stop].repeat_interleave(block, -1)[None]  # (1, H, G, K*block)
+        if key_real is not None:
+            allowed = allowed & key_real[:, key_positions]
         allowed = allowed[..., None, :]  # (B|1, H, G, 1, K*block)
         if query_positions is not None:  # causal: (G, block) absolute positions of the query rows
             allowed = allowed & (key_positions[:, :, None, :] <= query_positions[None, :, :, None])
