@@ -76,7 +76,8 @@ class PerformerAttention(Variant):
         projected = torch.matmul(q, w.transpose(0, 1))
         if self.feature_map == "relu":
             return torch.relu(projected) + RELU_EPSILON
-        return torch.exp(projected - projected.detach().amax(dim=-1, keepdim=True))
+        shift = projected.detach().amax(dim=-1, keepdim=True)
+        return projected.sub_(shift).exp_()  # in place: the matmul's backward does not need its output
 
     def key_features(
         self, k: torch.Tensor, w: torch.Tensor, scaling: float, padding_mask: torch.Tensor | None
@@ -85,16 +86,18 @@ class PerformerAttention(Variant):
 
         The shift is the largest exponent over real keys (padded keys neither set it nor contribute).
         """
-        projected = torch.matmul(k, w.transpose(0, 1))
         if self.feature_map == "relu":
-            return torch.relu(projected) + RELU_EPSILON
-        exponents = projected - k.square().sum(dim=-1, keepdim=True) * (scaling / 2)
+            return torch.relu(torch.matmul(k, w.transpose(0, 1))) + RELU_EPSILON
+        # w·k − s‖k‖²/2 as one matmul: k gets a ‖k‖² column, w a −s/2 column.
+        k_and_norm = torch.cat([k, k.square().sum(dim=-1, keepdim=True)], dim=-1)
+        w_and_half = torch.cat([w, w.new_full((w.shape[0], 1), -scaling / 2)], dim=-1)
+        exponents = torch.matmul(k_and_norm, w_and_half.transpose(0, 1))
         per_key = exponents.detach().amax(dim=-1)  # (B, H, N)
         if padding_mask is not None:
             per_key = per_key.masked_fill(~padding_mask[:, None, :], float("-inf"))
         shift = per_key.amax(dim=-1, keepdim=True)
         shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))  # all keys padded
-        return torch.exp(exponents - shift[..., None])
+        return exponents.sub_(shift[..., None]).exp_()
 
     # ---------------------------------------------------------------------------------------------------
     # the random projection and its redraws

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from zoo.ops.blocked import split_blocks
 from zoo.ops.dense import pad_to_multiple
@@ -42,9 +43,10 @@ def linear_attention(
         values = torch.cat([values, values.new_ones(*values.shape[:-1], 1)], dim=-1)
         if causal:
             summed = _causal(phi_q, phi_k, values, chunk_size or default_chunk_size(phi_k.shape[-1], v.shape[-1]))
-        else:
-            summed = torch.matmul(phi_q, torch.matmul(phi_k.transpose(-1, -2), values))
-        out = summed[..., :-1] / summed[..., -1:].clamp_min(torch.finfo(compute).tiny)
+        else:  # state as (valuesᵀ φ(k))ᵀ: its backward writes φ(k)'s gradient contiguous, with no transpose copy
+            summed = torch.matmul(phi_q, torch.matmul(values.transpose(-1, -2), phi_k).transpose(-1, -2))
+        numerator, denominator = summed.split([v.shape[-1], 1], dim=-1)
+        out = numerator / denominator.clamp_min(torch.finfo(compute).tiny)
     return out.to(v.dtype)
 
 
@@ -85,14 +87,15 @@ def _causal(phi_q: torch.Tensor, phi_k: torch.Tensor, values: torch.Tensor, chun
         phi_q = torch.cat([phi_q.new_zeros(*phi_q.shape[:-2], kv_len - q_len, phi_q.shape[-1]), phi_q], dim=-2)
     chunk = min(chunk_size, kv_len)  # never pad a short input up to a chunk
     q_chunks, k_chunks, v_chunks = (split_blocks(pad_to_multiple(t, chunk), chunk) for t in (phi_q, phi_k, values))
-    # Inside each chunk: the causal chunk x chunk kernel matrix.
+    # Across chunks: the state before chunk g is Σ_{g' < g} φ(k_g')ᵀ values_g' (an m x (d+1) matrix per chunk):
+    # per-chunk sums, an inclusive cumsum over chunks, shifted by one chunk.
+    per_chunk = torch.matmul(v_chunks.transpose(-1, -2), k_chunks).transpose(-1, -2)
+    before = F.pad(per_chunk.cumsum(dim=2)[:, :, :-1], (0, 0, 0, 0, 1, 0))
+    from_earlier_chunks = torch.matmul(q_chunks, before)
+    # Inside each chunk: the causal chunk x chunk kernel matrix, added to the state's share in one fused call.
     weights = torch.matmul(q_chunks, k_chunks.transpose(-1, -2)).tril_()
-    summed = torch.matmul(weights, v_chunks)
-    if q_chunks.shape[2] > 1:
-        # Across chunks: state after chunk g = Σ_{g' ≤ g} φ(k_g')ᵀ values_g' (an m x (d+1) matrix per chunk);
-        # the queries of chunk g read the state after chunk g - 1.
-        states = torch.matmul(k_chunks.transpose(-1, -2), v_chunks).cumsum(dim=2)
-        summed[:, :, 1:] += torch.matmul(q_chunks[:, :, 1:], states[:, :, :-1])
+    summed = torch.baddbmm(from_earlier_chunks.flatten(0, 2), weights.flatten(0, 2), v_chunks.flatten(0, 2))
+    summed = summed.view(*v_chunks.shape)
     summed = summed.flatten(2, 3)[:, :, :kv_len]
     return summed[:, :, kv_len - q_len :]
 
