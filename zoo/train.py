@@ -272,6 +272,7 @@ def model_config(cfg: FinetuneConfig, model_path: str | None, tokenizer, label_n
             raise ValueError("model_config needs a model_type (e.g. bert, modernbert, llama).")
         options.setdefault("vocab_size", len(tokenizer))
         options.setdefault("max_position_embeddings", cfg.max_length)
+        options = {**special_token_ids(tokenizer), **options}
         config = AutoConfig.for_model(model_type, **options, **labels)
     if config.pad_token_id is None:
         config.pad_token_id = tokenizer.pad_token_id
@@ -280,6 +281,19 @@ def model_config(cfg: FinetuneConfig, model_path: str | None, tokenizer, label_n
             if hasattr(config, key):
                 setattr(config, key, cfg.attention_dropout)
     return zoo.configure(config, cfg.variant, **cfg.variant_params)
+
+
+def special_token_ids(tokenizer) -> dict[str, int]:
+    """pad / bos / eos / cls / sep ids of a tokenizer, for a config built from scratch on its vocabulary.
+
+    Config defaults point into the family's own vocabulary (ModernBERT's pad id is 50283), which would be out
+    of range for a small task vocabulary such as ListOps'.
+    """
+    ids = {}
+    for role in ("pad", "bos", "eos", "cls", "sep"):
+        token_id = getattr(tokenizer, f"{role}_token_id", None)
+        ids[f"{role}_token_id"] = token_id if token_id is not None else tokenizer.pad_token_id
+    return ids
 
 
 def build_model(cfg: FinetuneConfig, model_path: str | None, tokenizer, label_names: list[str]):

@@ -1,0 +1,11 @@
+"""Compare attention-zoo variants: one fine-tune per variant (each its own `accelerate launch`), one report.
+
+    python recipes/compare.py recipes/configs/compare_default.yaml [--output_dir DIR] [--overwrite]
+
+The logic lives in zoo/compare.py (its docstring lists the config keys).
+"""
+
+from zoo.compare import main
+
+if __name__ == "__main__":
+    main()

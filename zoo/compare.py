@@ -1,0 +1,367 @@
+"""Compare attention variants: the same fine-tune (data, seed, budget) once per variant, each its own run.
+
+``python recipes/compare.py CONFIG.yaml [--output_dir DIR] [--overwrite]``. Each run is a separate
+``accelerate launch`` (with the config's ``launcher`` file; ``launcher: null`` runs plain python), so a
+variant that crashes, runs out of memory or is not installed is recorded in the table and the others go
+on. Writes ``results.md``, ``results.csv``, ``results.json`` and, per task, ``lra_<task>.png`` (accuracy
+against training tokens/s, bubble area = peak memory, as in the LRA paper's figure) and
+``accuracy_<task>.png`` (error bars: standard deviation over seeds).
+
+Config keys::
+
+    output_dir: outputs/compare_default
+    launcher: recipes/accelerate/multi_cpu.yaml   # accelerate config file, or null
+    seeds: [42]
+    timeout_minutes: 30                           # per run
+    overrides: {disable_tqdm: true}               # fine-tune keys applied to every run
+    variants:                                     # every task runs these; `name` labels the row
+      - {variant: sdpa}
+      - {variant: longformer, variant_params: {window: 256}}
+    tasks:
+      - name: brown
+        config: recipes/configs/brown/minilm_cpu.yaml     # a fine-tune config (zoo/train.py keys)
+        overrides: {max_steps: 12}
+        extra_variants: [{name: sdpa-512, variant: sdpa, max_length: 512}]   # e.g. a truncated baseline
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from tqdm.auto import tqdm
+
+from zoo.train import FinetuneConfig, check_known_keys, load_yaml, package_versions
+
+COMPARE_KEYS = ("output_dir", "launcher", "seeds", "timeout_minutes", "overrides", "variants", "tasks")
+TASK_KEYS = ("name", "config", "overrides", "extra_variants")
+METRIC_COLUMNS = ("eval_accuracy", "eval_macro_f1", "eval_loss")
+SPEED_COLUMNS = ("train_tokens_per_second", "eval_tokens_per_second", "peak_memory_mb", "wall_time_seconds")
+
+
+@dataclass
+class Run:
+    task: str
+    name: str
+    seed: int
+    config: dict
+    run_dir: Path
+
+
+@dataclass
+class Outcome:
+    status: str  # ok | failed | timeout | unavailable
+    error: str = ""
+    results: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------------
+# plan
+
+
+def load_compare_config(path: str) -> dict:
+    cfg = load_yaml(path)
+    unknown = sorted(set(cfg) - set(COMPARE_KEYS))
+    if unknown:
+        raise ValueError(f"{path}: unknown key {unknown[0]!r}; compare configs take {', '.join(COMPARE_KEYS)}.")
+    if not cfg.get("tasks"):
+        raise ValueError(f"{path}: list at least one task under `tasks:` (name + config).")
+    cfg.setdefault("seeds", [42])
+    cfg.setdefault("launcher", None)
+    cfg.setdefault("timeout_minutes", 60)
+    if cfg["launcher"] and not Path(cfg["launcher"]).is_file():
+        raise FileNotFoundError(f"launcher {cfg['launcher']!r} (an accelerate config file) does not exist.")
+    return cfg
+
+
+def variant_label(entry: dict) -> str:
+    return entry.get("name") or entry.get("variant", "sdpa")
+
+
+def plan_runs(cfg: dict, output_dir: Path) -> list[Run]:
+    """Every (task, variant, seed) run with its full fine-tune config, checked before anything starts."""
+    runs = []
+    for task in cfg["tasks"]:
+        unknown = sorted(set(task) - set(TASK_KEYS))
+        if unknown or "name" not in task or "config" not in task:
+            raise ValueError(
+                f"task entry {task!r}: needs `name` and `config`; optional keys: overrides, extra_variants."
+            )
+        base = load_yaml(task["config"])
+        entries = list(cfg.get("variants") or []) + list(task.get("extra_variants") or [])
+        labels = [variant_label(e) for e in entries]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"task {task['name']!r}: two variant entries share a name; give each a distinct `name`.")
+        for entry in entries:
+            overrides = {k: v for k, v in entry.items() if k != "name"}
+            merged = {**base, **(cfg.get("overrides") or {}), **(task.get("overrides") or {}), **overrides}
+            check_known_keys(merged, FinetuneConfig, f"task {task['name']!r}, variant {variant_label(entry)!r}")
+            for seed in cfg["seeds"]:
+                run_dir = output_dir / "runs" / task["name"] / variant_label(entry) / f"seed{seed}"
+                config = {**merged, "seed": seed, "output_dir": str(run_dir), "overwrite_output_dir": True}
+                runs.append(Run(task["name"], variant_label(entry), seed, config, run_dir))
+    return runs
+
+
+# ---------------------------------------------------------------------------------------------------
+# launch
+
+
+def command_for(run_config: Path, launcher: str | None) -> list[str]:
+    if launcher:
+        accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", launcher, "-m"]
+        return [*accelerate, "zoo.train", str(run_config)]
+    return [sys.executable, "-m", "zoo.train", str(run_config)]
+
+
+def unavailable_reason(variant: str) -> str | None:
+    """Why a variant cannot run here (not installed, broken plugin), or None. Checked without launching."""
+    import zoo
+
+    try:
+        zoo.get_variant_class(variant)
+    except Exception as exc:  # UnknownVariantError, BrokenVariantError, VariantConflictError
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def launch(run: Run, launcher: str | None, timeout_s: float) -> Outcome:
+    reason = unavailable_reason(run.config.get("variant", "sdpa"))
+    if reason:
+        return Outcome("unavailable", reason)
+    if run.run_dir.exists():
+        shutil.rmtree(run.run_dir)
+    run.run_dir.mkdir(parents=True)
+    run_config = run.run_dir.parent / f"{run.run_dir.name}.yaml"
+    run_config.write_text(yaml.safe_dump(run.config, sort_keys=False))
+    log_path = run.run_dir.parent / f"{run.run_dir.name}.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            command_for(run_config, launcher), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            returncode = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGTERM)  # the launcher and the training processes it started
+            process.wait()
+            return Outcome("timeout", f"stopped after {timeout_s / 60:.0f} minutes (timeout_minutes); log: {log_path}")
+    results_path = run.run_dir / "results.json"
+    if returncode != 0 or not results_path.is_file():
+        return Outcome("failed", f"{last_error(log_path)} (exit code {returncode}; log: {log_path})")
+    return Outcome("ok", results=json.loads(results_path.read_text()))
+
+
+ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception|Interrupt))\b:?(.*)$")
+WRAPPER_ERRORS = ("ChildFailedError", "CalledProcessError")
+
+
+def last_error(log_path: Path) -> str:
+    """The last ``SomethingError: message`` line of a log (skipping the launcher's wrapper errors)."""
+    lines = log_path.read_text(errors="replace").splitlines()
+    for line in reversed(lines):
+        match = ERROR_LINE.match(line.strip())
+        if match and match.group(1) not in WRAPPER_ERRORS:
+            return line.strip()[:500]
+    tail = [line.strip() for line in lines if line.strip()]
+    return tail[-1][:500] if tail else "no output"
+
+
+# ---------------------------------------------------------------------------------------------------
+# report
+
+
+def row_for(run: Run, outcome: Outcome) -> dict[str, Any]:
+    results = outcome.results
+    row = {
+        "task": run.task,
+        "name": run.name,
+        "variant": run.config.get("variant", "sdpa"),
+        "variant_params": run.config.get("variant_params") or {},
+        "max_length": run.config.get("max_length"),
+        "seed": run.seed,
+        "status": outcome.status,
+        "error": outcome.error,
+    }
+    row.update({key: results.get("metrics", {}).get(key) for key in METRIC_COLUMNS})
+    row.update({key: results.get(key) for key in SPEED_COLUMNS})
+    row.update({"num_processes": results.get("num_processes"), "run_dir": str(run.run_dir)})
+    return row
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One row per (task, name): means over the seeds that finished, standard deviations of the metrics."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["task"], row["name"]), []).append(row)
+    summary = []
+    for group in groups.values():
+        done = [r for r in group if r["status"] == "ok"]
+        first = group[0]
+        entry = {k: first[k] for k in ("task", "name", "variant", "variant_params", "max_length")}
+        entry["seeds_ok"], entry["seeds"] = len(done), len(group)
+        failed = next((r for r in group if r["status"] != "ok"), None)
+        entry["status"] = "ok" if failed is None else failed["status"]
+        entry["error"] = failed["error"] if failed else ""
+        for key in METRIC_COLUMNS + SPEED_COLUMNS:
+            values = [r[key] for r in done if r[key] is not None]
+            entry[key] = statistics.fmean(values) if values else None
+            if key in METRIC_COLUMNS:
+                entry[f"{key}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0 if values else None
+        summary.append(entry)
+    return summary
+
+
+def fmt(value: Any, digits: int = 0) -> str:
+    return "–" if value is None else f"{value:,.{digits}f}"
+
+
+def markdown_report(cfg: dict, summary: list[dict], config_path: str, minutes: float) -> str:
+    packages = ", ".join(f"{k} {v}" for k, v in package_versions().items())
+    lines = [
+        "# attention-zoo comparison",
+        "",
+        f"Config `{config_path}`; launcher `{cfg['launcher'] or 'python (1 process)'}`; seeds {cfg['seeds']}; "
+        f"{minutes:.1f} minutes in all. Packages: {packages}.",
+        "Accuracy and macro-F1 on each task's evaluation split (mean ± std over seeds); train tokens/s counts "
+        "non-padding tokens over all processes; peak memory is the largest process's (CPU: max RSS; GPU: peak "
+        "allocation).",
+    ]
+    for task in dict.fromkeys(r["task"] for r in summary):
+        lines += ["", f"## {task}", ""]
+        lines += [
+            "| variant | params | max_length | accuracy | macro-F1 | train tok/s | eval tok/s | peak MB | wall s "
+            "| status |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for r in (r for r in summary if r["task"] == task):
+            params = ", ".join(f"{k}={v}" for k, v in r["variant_params"].items()) or "–"
+            acc = "–" if r["eval_accuracy"] is None else f"{r['eval_accuracy']:.3f} ± {r['eval_accuracy_std']:.3f}"
+            f1 = "–" if r["eval_macro_f1"] is None else f"{r['eval_macro_f1']:.3f} ± {r['eval_macro_f1_std']:.3f}"
+            lines.append(
+                f"| {r['name']} | {params} | {r['max_length']} | {acc} | {f1} | {fmt(r['train_tokens_per_second'])} "
+                f"| {fmt(r['eval_tokens_per_second'])} | {fmt(r['peak_memory_mb'])} | {fmt(r['wall_time_seconds'])} "
+                f"| {r['status']} |"
+            )
+        failures = [r for r in summary if r["task"] == task and r["status"] != "ok"]
+        if failures:
+            lines += ["", "Not finished:", ""] + [f"- **{r['name']}** ({r['status']}): {r['error']}" for r in failures]
+        lines += ["", f"![LRA-style chart]({plot_name('lra', task)})", f"![accuracy]({plot_name('accuracy', task)})"]
+    return "\n".join(lines) + "\n"
+
+
+def plot_name(kind: str, task: str) -> str:
+    return f"{kind}_{task}.png"
+
+
+def write_plots(summary: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for task in dict.fromkeys(r["task"] for r in summary):
+        rows = [r for r in summary if r["task"] == task]
+        done = [r for r in rows if r["status"] == "ok" or r["eval_accuracy"] is not None]
+        fig, ax = plt.subplots(figsize=(7, 5))
+        if done:
+            memory = [r["peak_memory_mb"] or 1.0 for r in done]
+            sizes = [2000 * m / max(memory) for m in memory]
+            speed = [r["train_tokens_per_second"] for r in done]
+            accuracy = [r["eval_accuracy"] for r in done]
+            ax.scatter(speed, accuracy, s=sizes, alpha=0.45)
+            for r, x, y in zip(done, speed, accuracy, strict=True):
+                ax.annotate(r["name"], (x, y), ha="center", fontsize=9)
+        title = f"{task}: accuracy vs speed (area: peak memory)"
+        ax.set(xlabel="training tokens / second", ylabel="accuracy", title=title)
+        fig.tight_layout()
+        fig.savefig(out / plot_name("lra", task), dpi=120)
+        plt.close(fig)
+
+        fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(rows) + 2), 4))
+        names = [r["name"] for r in rows]
+        values = [r["eval_accuracy"] or 0.0 for r in rows]
+        errors = [r["eval_accuracy_std"] or 0.0 for r in rows]
+        colors = ["tab:blue" if r["status"] == "ok" else "lightgray" for r in rows]
+        ax.bar(names, values, yerr=errors, capsize=4, color=colors)
+        for i, r in enumerate(rows):
+            if r["status"] != "ok":
+                ax.text(i, 0.01, r["status"], ha="center", va="bottom", rotation=90, fontsize=8)
+        ax.set(ylabel="accuracy", title=f"{task}: accuracy per variant")
+        ax.tick_params(axis="x", rotation=30)
+        fig.tight_layout()
+        fig.savefig(out / plot_name("accuracy", task), dpi=120)
+        plt.close(fig)
+
+
+def write_report(cfg: dict, rows: list[dict], out: Path, config_path: str, minutes: float) -> list[dict]:
+    summary = summarize(rows)
+    (out / "results.json").write_text(
+        json.dumps({"config": cfg, "packages": package_versions(), "runs": rows, "summary": summary}, indent=2) + "\n"
+    )
+    with open(out / "results.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows({**r, "variant_params": json.dumps(r["variant_params"])} for r in rows)
+    write_plots(summary, out)
+    (out / "results.md").write_text(markdown_report(cfg, summary, config_path, minutes))
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------------
+# entry point
+
+
+def check_output_dir(out: Path, overwrite: bool) -> None:
+    if (out / "results.json").exists() and not overwrite:
+        raise FileExistsError(
+            f"{out} already holds a comparison; pass --overwrite to replace it, or another --output_dir."
+        )
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def compare(config_path: str, output_dir: str | None = None, overwrite: bool = False) -> list[dict]:
+    started = time.perf_counter()
+    cfg = load_compare_config(config_path)
+    out = Path(output_dir or cfg.get("output_dir") or "outputs/compare")
+    cfg["output_dir"] = str(out)
+    runs = plan_runs(cfg, out)
+    check_output_dir(out, overwrite)
+    rows = []
+    progress = tqdm(runs, desc="compare", unit="run", dynamic_ncols=True)
+    for run in progress:
+        progress.set_postfix_str(f"{run.task} / {run.name} / seed {run.seed}")
+        outcome = launch(run, cfg["launcher"], cfg["timeout_minutes"] * 60)
+        rows.append(row_for(run, outcome))
+        accuracy = outcome.results.get("metrics", {}).get("eval_accuracy")
+        detail = f"accuracy {accuracy:.4f}" if accuracy is not None else outcome.error[:200]
+        progress.write(f"{run.task:>10} / {run.name:<20} seed {run.seed}: {outcome.status}  {detail}")
+        write_report(cfg, rows, out, config_path, (time.perf_counter() - started) / 60)  # partial report as it goes
+    summary = write_report(cfg, rows, out, config_path, (time.perf_counter() - started) / 60)
+    print(f"report: {out / 'results.md'}")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Compare attention-zoo variants: one fine-tune per variant.")
+    parser.add_argument("config", help="compare config, e.g. recipes/configs/compare_default.yaml")
+    parser.add_argument("--output_dir", help="overrides the config's output_dir")
+    parser.add_argument("--overwrite", action="store_true", help="replace a comparison already in output_dir")
+    args = parser.parse_args(argv)
+    compare(args.config, args.output_dir, args.overwrite)
+
+
+if __name__ == "__main__":
+    main()
