@@ -8,18 +8,19 @@ of the two heads' key sets, in one softmax per query (causality and padding appl
   ``(i − j) mod l == 0``.
 * ``fixed``: same block ``⌊i/l⌋ == ⌊j/l⌋`` ∪ summary columns ``j mod l ≥ l − c``.
 
-Kernels (never n x n; n ≤ l is the one case where the pattern covers everything and one small SDPA runs):
+Kernels (never n x n; n ≤ l is the one case where the pattern covers everything and one small SDPA runs).
+Each pattern is two key parts merged into one softmax by :func:`zoo.ops.union_attention` (on CPU: one flash
+kernel call per part, combined through their log-sum-exps; the parts never share a (query, key) pair):
 
-* ``fixed``: query blocks of l; each block's keys are its own block (``split_blocks`` view) plus the gathered
-  summary columns of the other blocks (earlier blocks only when causal), one batched blocked SDPA.
-  O(n·(l + c·n/l)).
 * ``strided``: the every-l-th columns differ per query row (query i needs residue class i mod l), so no key
-  set appended to a block of consecutive queries is exact without n x n waste. Instead the two parts are two
-  blocked score tensors sharing one softmax: the local band through ``band_blocks`` (query blocks of
-  ``_local_block(l)``), and the strided part with tokens regrouped by residue (view (n/l, l) transposed to
-  (l, n/l)), where each residue class is a small dense attention of n/l queries over its n/l keys. The two
-  parts overlap only on the diagonal j = i, which the strided part leaves out. O(n·(2l + n/l)): O(n·√n) at
+  set appended to a block of consecutive queries is exact without n x n waste. Part 1 is the local band
+  (:func:`zoo.ops.band_part`, query blocks of ``_local_block(l)``); part 2 regroups tokens by residue (a view
+  (n/l, l) transposed to (l, n/l)), where each residue class is a small dense attention of its n/l queries over
+  its n/l keys, minus the diagonal j = i, the only pair the band already holds. O(n·(2l + n/l)): O(n·√n) at
   l ≈ √n.
+* ``fixed``: query blocks of l; part 1 is the own block (a view), part 2 the summary columns of the other
+  blocks (earlier ones when causal), gathered once and broadcast to every block (an expanded view, no copy).
+  O(n·(l + c·n/l)).
 """
 
 from __future__ import annotations

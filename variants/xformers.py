@@ -3,20 +3,21 @@ torch SDPA (same semantics) everywhere else.
 
 xformers path (CUDA and ``import xformers.ops`` works):
 
-* no padding: the batch as is, with ``LowerTriangularMask`` (causal), ``LocalAttentionFromBottomRightMask`` /
-  ``LowerTriangularFromBottomRightLocalAttentionMask`` (``window``) or no bias;
-* padding: the real tokens of every row (any 2-D mask: gathered by index, not sliced) are packed into ONE
-  variable-length sequence with ``BlockDiagonalMask.from_seqlens`` (``make_causal()``, ``make_local_attention``
-  for causal windows), so no compute is spent on pad tokens, and scattered back. Packing keeps each row's
-  order, so causality is unchanged; a window counts positions, which packing keeps only when a row's real tokens
-  are contiguous (prefix or suffix padding). xformers has no packed bidirectional local bias with a backward
-  kernel, so a bidirectional window over a padded batch runs one call per row on its real span.
+* no padding: the batch as is, with ``LowerTriangularMask`` (causal), ``LocalAttentionFromBottomRightMask``
+  (bidirectional ``window``) or no bias;
+* padding (or a causal window): the real tokens of every row (any 2-D mask: gathered by index, not sliced) are
+  packed into ONE variable-length sequence with ``BlockDiagonalMask.from_seqlens`` (``make_causal()``,
+  ``make_local_attention(window)``), so no compute is spent on pad tokens, and scattered back. Packing keeps
+  each row's order, so causality is unchanged; a window counts positions, which packing keeps only when a
+  row's real tokens are contiguous (prefix or suffix padding). xformers has no packed bidirectional local bias
+  with a backward kernel, so a bidirectional window over a padded batch runs one call per row on its real
+  span; and only its flash kernels (fp16/bf16) take a bidirectional window at all.
 
-torch path (CPU, no xformers, or a case xformers cannot take: a window over rows with holes, KV-cache steps
-with padding, no operator for the inputs): without a window the real tokens of each row are moved to the
-front (so causal needs no mask and no pad query costs more than the longest row) and one SDPA runs; with a
-window, a blocked band (:func:`zoo.ops.band_part`), O(n·window). One INFO log per backend (and reason) says
-which ran.
+torch path (CPU, no xformers, or a case xformers cannot take: a window over rows with holes, a bidirectional
+window in fp32, KV-cache steps with padding, no operator for the inputs): without a window the real tokens of
+each row are moved to the front (so causal needs no mask and no pad query costs more than the longest row) and
+one SDPA runs; with a window, a blocked band (:func:`zoo.ops.band_part`), O(n·window). One INFO log per backend
+(and reason) says which ran.
 
 ``window`` w (default None = full attention): query i sees key j when ``|i − j| < w`` (causal:
 ``0 ≤ i − j < w``, xformers' ``window_size``: w keys, itself included).
@@ -109,21 +110,29 @@ def xformers_unavailable_reason(q: torch.Tensor) -> str | None:
 
 def xformers_attention(q, k, v, call: AttentionCall, window: int | None, attention=None) -> torch.Tensor:
     """(B, H, N, D) -> (B, H, N, D) through ``attention`` (default ``xformers.ops.memory_efficient_attention``,
-    called as ``attention(q, k, v, attn_bias=..., p=..., scale=...)`` on (batch, seq, heads, dim) tensors)."""
+    called as ``attention(q, k, v, attn_bias=..., p=..., scale=...)`` on (batch, seq, heads, dim) tensors; a
+    stand-in, as the CPU tests use, skips the dtype rule of xformers' own kernels)."""
+    local_bidirectional = window is not None and not call.causal
     if attention is None:
+        if local_bidirectional and q.dtype not in (torch.float16, torch.bfloat16):
+            raise TorchPathNeeded("a bidirectional window in xformers needs fp16/bf16 (only its flash kernels)")
         from xformers.ops import memory_efficient_attention as attention
     kwargs = {"p": call.dropout if call.training else 0.0, "scale": call.scaling}
     q_len, kv_len = q.shape[-2], k.shape[-2]
     real = call.padding_mask
-    if real is None or bool(real.all()):
+    if real is not None and bool(real.all()):
+        real = None
+    if real is None and (q_len != kv_len or window is None or local_bidirectional):
         bias = xformers_bias(call.causal, window, q_len=q_len, kv_len=kv_len)
         return attention(*(_to_bmhk(x) for x in (q, k, v)), attn_bias=bias, **kwargs).transpose(1, 2)
     if q_len != kv_len:
         raise TorchPathNeeded("KV-cache step over a padded batch")
+    # packed: padding, or a causal window (its block-diagonal bias is the one with fp32 backward kernels)
+    real = real if real is not None else torch.ones(q.shape[0], q_len, dtype=torch.bool, device=q.device)
     lengths = real.sum(-1)
     if window is not None and not _rows_are_contiguous(real, lengths):
         raise TorchPathNeeded("a window over rows whose padding is not only a prefix or suffix")
-    if window is not None and not call.causal:
+    if local_bidirectional:
         return _per_row_local(q, k, v, real, lengths, window, attention, kwargs)
     seqlens = [int(n) for n in lengths.tolist() if n > 0]
     bias = xformers_bias(call.causal, window, seqlens=seqlens, device=q.device)

@@ -182,6 +182,12 @@ def test_kv_cache_bias_aligns_the_queries_to_the_end():
     assert torch.equal(bias.materialize((2, 6)) == 0, torch.tensor([[0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 1, 1]]) == 1)
 
 
+def test_xformers_kernels_take_a_bidirectional_window_only_in_half_precision():
+    q, k, v = (x.detach() for x in qkv(1, 10))
+    with pytest.raises(xf.TorchPathNeeded, match="fp16/bf16"):
+        xf.xformers_attention(q, k, v, make_call(False), 4)
+
+
 def test_packing_keeps_only_real_tokens_in_order_and_unpacks_to_zeros():
     x = torch.arange(3 * 1 * 6 * 1, dtype=torch.float32).view(3, 1, 6, 1)
     real = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 1, 0, 1, 1, 0], [0, 0, 0, 0, 0, 0]], dtype=torch.bool)
@@ -308,5 +314,5 @@ def test_cuda_kernel_equals_the_dense_reference(dtype, caplog):
                     assert_same_output_and_gradients(out.float(), ref, (q, k, v), tolerance, 5 * tolerance)
     messages = [r.getMessage() for r in caplog.records if r.name == "variants.xformers"]
     assert any("xformers memory_efficient_attention" in m for m in messages), messages
-    fallbacks = [m for m in messages if "torch" in m]
-    assert all("not only a prefix or suffix" in m for m in fallbacks), fallbacks  # window over holes only
+    fallbacks = [m for m in messages if "torch" in m]  # only a window over holes, or bidirectional in fp32
+    assert all("not only a prefix or suffix" in m or "fp16/bf16" in m for m in fallbacks), fallbacks
