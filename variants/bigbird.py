@@ -39,6 +39,7 @@ from zoo.ops.select import select_blocks
 from zoo.variant import AttentionCall, IndexPredicate, Param, Variant, VariantParameterError
 
 LAYOUT_CACHE_SIZE = 256
+GATHER_CHUNK_ELEMENTS = 2**25  # gathered key elements per batched SDPA call (128 MB in fp32)
 
 
 @dataclass
@@ -276,12 +277,13 @@ class BigBirdAttention(Variant):
 
     def _blocked(self, q, k, v, layout: BlockLayout, rows: range, key_real, call: AttentionCall,
                  query_positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Query blocks ``rows`` (q holds exactly those rows, (B, H, G*block, D)) over their gathered key blocks."""
+        """Query blocks ``rows`` (q holds exactly those rows, (B, H, G*block, D)) over their gathered key blocks.
+
+        Heads go in chunks of about GATHER_CHUNK_ELEMENTS gathered keys: the backward then holds the gradient of
+        one chunk's gathered keys at a time instead of all of them (peak memory), at no cost in speed.
+        """
         block = self.block_size
-        batch, heads, _, dim = q.shape
-        groups = len(rows)
         key_blocks = layout.key_blocks[:, rows.start : rows.stop]  # (H, G, K)
-        slots = key_blocks.shape[-1]
         key_positions = (key_blocks[..., None] * block + torch.arange(block, device=q.device)).flatten(-2)
         allowed = layout.valid[:, rows.start : rows.stop].repeat_interleave(block, -1)[None]  # (1, H, G, K*block)
         if key_real is not None:
@@ -289,6 +291,20 @@ class BigBirdAttention(Variant):
         allowed = allowed[..., None, :]  # (B|1, H, G, 1, K*block)
         if query_positions is not None:  # causal: (G, block) absolute positions of the query rows
             allowed = allowed & (key_positions[:, :, None, :] <= query_positions[None, :, :, None])
+        heads, per_head = q.shape[1], q.shape[0] * key_positions[0].numel() * q.shape[-1]
+        step = max(1, GATHER_CHUNK_ELEMENTS // per_head)
+        outs = [
+            self._blocked_heads(q[:, h : h + step], k[:, h : h + step], v[:, h : h + step], key_blocks[h : h + step],
+                                allowed[:, h : h + step], call)
+            for h in range(0, heads, step)
+        ]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    def _blocked_heads(self, q, k, v, key_blocks, allowed, call: AttentionCall) -> torch.Tensor:
+        """One batched SDPA: (B, H*G) batch entries of ``block`` queries over K gathered key blocks each."""
+        block = self.block_size
+        batch, heads, _, dim = q.shape
+        groups, slots = key_blocks.shape[1:]
         q_blocks = q.reshape(batch, heads * groups, block, dim)
         k_blocks = select_blocks(k, block, key_blocks).view(batch, heads * groups, slots * block, dim)
         v_blocks = select_blocks(v, block, key_blocks).view(batch, heads * groups, slots * block, dim)

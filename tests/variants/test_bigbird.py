@@ -148,6 +148,22 @@ def test_longer_inputs_not_a_block_multiple_match_the_pattern_and_are_sparse(cau
     assert not torch.allclose(got, full, atol=1e-3), "the pattern must actually be sparse here"
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_heads_in_chunks_give_the_same_output_and_gradients(causal, monkeypatch):
+    variant = BigBirdAttention(block_size=16, num_random_blocks=2)
+    mask = torch.ones(2, 300, dtype=torch.bool)
+    mask[1, 200:] = False
+    results = []
+    for chunk in (2**25, 1):  # all heads in one call; one head per call
+        monkeypatch.setattr("variants.bigbird.GATHER_CHUNK_ELEMENTS", chunk)
+        q, k, v = (x.requires_grad_() for x in qkv(300, seed=2))
+        out = run_variant(variant, q, k, v, call(causal, mask))
+        out.pow(2).sum().backward()
+        results.append([out, q.grad, k.grad, v.grad])
+    for single, chunked in zip(*results, strict=True):
+        torch.testing.assert_close(chunked, single, atol=1e-6, rtol=1e-5)
+
+
 def test_causal_decoding_with_a_kv_cache_gives_the_full_forward_rows():
     variant = BigBirdAttention(block_size=8, num_random_blocks=2)
     q, k, v = qkv(150, batch=1)
