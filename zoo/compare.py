@@ -295,7 +295,7 @@ def write_plots(summary: list[dict], out: Path) -> None:
         values = [r["eval_accuracy"] or 0.0 for r in rows]
         errors = [r["eval_accuracy_std"] or 0.0 for r in rows]
         colors = ["tab:blue" if r["status"] == "ok" else "lightgray" for r in rows]
-        ax.bar(names, values, yerr=errors, capsize=4, color=colors)
+        ax.bar(names, values, yerr=errors if any(errors) else None, capsize=4, color=colors)
         for i, r in enumerate(rows):
             if r["status"] != "ok":
                 ax.text(i, 0.01, r["status"], ha="center", va="bottom", rotation=90, fontsize=8)

@@ -91,7 +91,7 @@ class FinetuneConfig:
     per_device_train_batch_size: int = 8
     per_device_eval_batch_size: int = 8
     gradient_accumulation_steps: int = 1
-    gradient_checkpointing: bool = False
+    activation_checkpointing: bool = False
     bf16: bool = False
     eval_strategy: str = field(default="no", metadata={"help": "no | steps | epoch (on the validation split)"})
     eval_steps: int | None = None
@@ -329,7 +329,7 @@ def training_arguments(cfg: FinetuneConfig) -> TrainingArguments:
     if unknown:
         raise ValueError(f"training_args: {unknown[0]!r} is not a transformers TrainingArguments key.")
     return TrainingArguments(
-        **{"use_cpu": not accelerator_available(), **shared, **extra},
+        **{"use_cpu": not accelerator_available(), "ddp_find_unused_parameters": False, **shared, **extra},
         report_to="none",
         include_num_input_tokens_seen="non_padding",
         eval_do_concat_batches=True,

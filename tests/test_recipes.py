@@ -1,0 +1,263 @@
+"""End-to-end recipe runs on tiny configs: outputs, 2 gloo processes, resume, clear errors, compare."""
+
+import collections
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import transformers
+import yaml
+
+import zoo
+from zoo import compare, train
+from zoo.data import UnknownTaskError, build_task
+from zoo.longify import PositionLimitError
+
+REPO = Path(__file__).resolve().parents[1]
+MULTI_CPU = REPO / "recipes" / "accelerate" / "multi_cpu.yaml"
+RESULTS_KEYS = {
+    "task", "dataset", "variant", "variant_params", "variant_package", "variant_version", "model", "base_model",
+    "model_type", "architecture", "max_length", "num_labels", "label_names", "num_processes", "seed", "metrics",
+    "train_tokens_per_second", "eval_tokens_per_second", "peak_memory_mb", "wall_time_seconds", "train_examples",
+    "eval_examples", "max_steps", "num_train_epochs", "packages", "config",
+}  # fmt: skip
+# 40 train examples, batch 8: 5 steps per epoch, so 8 steps cross an epoch and a resume at step 4 lands mid-epoch.
+# 13 test examples: not a multiple of 2 processes x 4, so the last evaluation batch is padded with repeats.
+TINY = {
+    "task": "listops",
+    "task_options": {"train_size": 40, "validation_size": 6, "test_size": 13, "min_length": 10, "max_length": 60},
+    "model_config": {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+                     "intermediate_size": 64},
+    "max_length": 64,
+    "variant": "sdpa",
+    "learning_rate": 1.0e-3,
+    "max_steps": 8,
+    "per_device_train_batch_size": 8,
+    "per_device_eval_batch_size": 4,
+    "save_steps": 4,
+    "logging_steps": 2,
+    "disable_tqdm": True,
+    "seed": 7,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("recipes")
+
+
+@pytest.fixture(scope="module")
+def env(workdir):
+    """Subprocess environment: a private data cache, no Hub, one thread per process (the cores are shared)."""
+    return {**os.environ, "ATTENTION_ZOO_CACHE": str(workdir / "cache"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(autouse=True)
+def private_cache(env, monkeypatch):
+    """In-process runs use the same private data cache as the subprocesses."""
+    monkeypatch.setenv("ATTENTION_ZOO_CACHE", env["ATTENTION_ZOO_CACHE"])
+
+
+@pytest.fixture(scope="module")
+def tiny_config(workdir):
+    path = workdir / "tiny.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "output_dir": str(workdir / "unused")}))
+    return path
+
+
+def finetune(config, env, *overrides, launcher=None):
+    prefix = [sys.executable, "-m", "zoo.train"]
+    if launcher:
+        prefix = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launcher), "-m", "zoo.train"]
+    done = subprocess.run([*prefix, str(config), *map(str, overrides)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def results(output_dir):
+    return json.loads((Path(output_dir) / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def full_run(workdir, tiny_config, env):
+    out = workdir / "full"
+    finetune(tiny_config, env, "--output_dir", out)
+    return out
+
+
+def test_smoke_finetune_writes_every_output(full_run):
+    names = {p.name for p in full_run.iterdir()}
+    expected = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "results.json",
+                "train_log.jsonl", "trainer_state.json", "eval_predictions.csv", "checkpoint-4"}  # fmt: skip
+    assert expected <= names
+    record = results(full_run)
+    assert set(record) == RESULTS_KEYS
+    assert record["variant"] == "sdpa" and record["num_processes"] == 1 and record["base_model"] is None
+    assert set(record["metrics"]) == {"eval_accuracy", "eval_macro_f1", "eval_loss"}
+    assert record["eval_examples"] == 13 and record["train_examples"] == 40 and record["max_steps"] == 8
+    assert record["label_names"] == [str(d) for d in range(10)]
+    assert record["architecture"] == "BertForSequenceClassification"
+    assert record["train_tokens_per_second"] > 0 and record["peak_memory_mb"] > 50
+    assert record["config"]["output_dir"] == str(full_run)
+    logged = [json.loads(line) for line in (full_run / "train_log.jsonl").read_text().splitlines()]
+    assert any("loss" in entry for entry in logged)
+    if "README.md" not in names:
+        pytest.importorskip("zoo.card")  # the model card is written whenever zoo.card exists
+        raise AssertionError("zoo.card exists but README.md was not written")
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(full_run)
+    assert zoo.variant_spec(model.config)["variant"] == "sdpa"
+    assert model.config.attention_probs_dropout_prob == 0.0
+
+
+def test_two_processes_count_every_eval_example_once(workdir, tiny_config, env):
+    out = workdir / "two"
+    finetune(tiny_config, env, "--output_dir", out, "--save_strategy", "no", launcher=MULTI_CPU)
+    record = results(out)
+    assert record["num_processes"] == 2 and record["eval_examples"] == 13
+    with open(out / "eval_predictions.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    test_split = build_task("listops", **TINY["task_options"])["test"]
+    assert len(rows) == 13
+    assert collections.Counter(r["label"] for r in rows) == collections.Counter(str(x) for x in test_split["label"])
+    accuracy = sum(r["label"] == r["prediction"] for r in rows) / 13
+    assert accuracy == pytest.approx(record["metrics"]["eval_accuracy"])
+
+
+def test_resume_from_checkpoint_matches_an_uninterrupted_run(workdir, tiny_config, env, full_run):
+    out = workdir / "resumed"
+    out.mkdir()
+    shutil.copytree(full_run / "checkpoint-4", out / "checkpoint-4")  # as if the run had stopped after step 4
+    finetune(tiny_config, env, "--output_dir", out, "--resume_from_checkpoint", "true")
+    resumed, uninterrupted = results(out)["metrics"], results(full_run)["metrics"]
+    assert resumed == pytest.approx(uninterrupted, rel=1e-5)
+    steps = [json.loads(line)["step"] for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert min(steps) > 4  # it trained only the remaining steps
+
+
+# --- clear errors before training ------------------------------------------------------------------
+
+
+def config(tmp_path, **overrides):
+    return train.FinetuneConfig(**{**TINY, "output_dir": str(tmp_path / "out"), **overrides})
+
+
+def test_config_file_values_are_overridden_on_the_command_line(tiny_config):
+    cfg = train.parse_config([str(tiny_config), "--max_steps", "3", "--variant_params", "{window: 16}"])
+    assert cfg.max_steps == 3 and cfg.variant_params == {"window": 16} and cfg.learning_rate == 1e-3
+    assert cfg.task_options["train_size"] == 40
+
+
+def test_unknown_config_key_is_a_clear_error(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "output_dir": "x", "learning_rte": 0.1}))
+    with pytest.raises(ValueError, match="unknown key 'learning_rte'. Did you mean 'learning_rate'"):
+        train.parse_config([str(path)])
+
+
+def test_unknown_task_is_refused(tmp_path):
+    with pytest.raises(UnknownTaskError, match="unknown task 'lisops'"):
+        train.run(config(tmp_path, task="lisops"))
+
+
+def test_missing_text_or_label_column_is_refused(tmp_path):
+    rows = [json.dumps({"body": "a b", "label": i % 2}) for i in range(20)]
+    (tmp_path / "train.jsonl").write_text("\n".join(rows) + "\n")
+    options = {"path": "json", "data_files": str(tmp_path / "train.jsonl"), "text_column": "content"}
+    with pytest.raises(ValueError, match="no text column 'content'; its columns are body, label"):
+        train.run(config(tmp_path, task="hub", task_options=options, tokenizer_name_or_path="minilm"))
+
+
+def test_max_length_beyond_the_positions_without_longify_is_refused(tmp_path):
+    cfg = config(tmp_path, model_config=None, model_name_or_path="minilm", max_length=1024)
+    with pytest.raises(PositionLimitError, match="exceeds the 512 positions.*longify: true"):
+        train.run(cfg)
+
+
+def test_variant_without_causal_support_is_refused_for_a_decoder(tmp_path):
+    @zoo.register_variant
+    class BidirectionalOnly(zoo.Variant):
+        name = "test_bidirectional_only"
+        supports_causal = False
+
+    llama = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "num_key_value_heads": 2, "intermediate_size": 64}  # fmt: skip
+    try:
+        with pytest.raises(ValueError, match="does not support causal attention"):
+            train.run(config(tmp_path, model_config=llama, variant="test_bidirectional_only"))
+    finally:
+        zoo.unregister_variant("test_bidirectional_only")
+
+
+def test_output_dir_holding_another_run_is_refused(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "results.json").write_text("{}")
+    expected = "already holds a run.*--resume_from_checkpoint true.*--overwrite_output_dir"
+    with pytest.raises(FileExistsError, match=expected):
+        train.check_config(config(tmp_path))
+    train.check_config(config(tmp_path, overwrite_output_dir=True))
+    train.check_config(config(tmp_path, resume_from_checkpoint="true"))
+
+
+def test_push_without_a_repository_id_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="hub_model_id"):
+        train.check_config(config(tmp_path, push_to_hub=True))
+
+
+# --- compare --------------------------------------------------------------------------------------
+
+
+def test_compare_records_failures_and_writes_the_report(workdir, tiny_config, env, monkeypatch):
+    compare_config = workdir / "compare.yaml"
+    compare_config.write_text(yaml.safe_dump({
+        "launcher": None,
+        "overrides": {"max_steps": 2, "save_strategy": "no"},
+        "variants": [
+            {"variant": "sdpa"},
+            {"name": "broken", "variant": "longformer", "variant_params": {"window": -4}},
+            {"variant": "no_such_variant"},
+        ],
+        "tasks": [{"name": "listops", "config": str(tiny_config)}],
+    }))  # fmt: skip
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = workdir / "compare"
+    summary = compare.compare(str(compare_config), str(out))
+    status = {row["name"]: row["status"] for row in summary}
+    assert status == {"sdpa": "ok", "broken": "failed", "no_such_variant": "unavailable"}
+    by_name = {row["name"]: row for row in summary}
+    assert "window" in by_name["broken"]["error"] and "no_such_variant" in by_name["no_such_variant"]["error"]
+    assert by_name["sdpa"]["eval_accuracy"] is not None
+    for name in ("results.md", "results.csv", "results.json", "lra_listops.png", "accuracy_listops.png"):
+        assert (out / name).stat().st_size > 0, name
+    report = (out / "results.md").read_text()
+    assert "| sdpa |" in report and "unavailable" in report
+    with open(out / "results.csv") as fh:
+        assert [row["name"] for row in csv.DictReader(fh)] == ["sdpa", "broken", "no_such_variant"]
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        compare.compare(str(compare_config), str(out))
+
+
+# --- shipped configs ------------------------------------------------------------------------------
+
+CONFIGS = REPO / "recipes" / "configs"
+FINETUNE_CONFIGS = sorted(p for p in CONFIGS.rglob("*.yaml") if not p.name.startswith("compare"))
+COMPARE_CONFIGS = sorted(CONFIGS.glob("compare*.yaml"))
+
+
+@pytest.mark.parametrize("path", FINETUNE_CONFIGS, ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_shipped_finetune_configs_are_valid(path, tmp_path):
+    cfg = train.parse_config([str(path), "--output_dir", str(tmp_path / "out")])
+    train.check_config(cfg)
+    train.training_arguments(cfg)
+
+
+@pytest.mark.parametrize("path", COMPARE_CONFIGS, ids=lambda p: p.name)
+def test_shipped_compare_configs_plan_their_runs(path, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    runs = compare.plan_runs(compare.load_compare_config(str(path)), tmp_path)
+    assert len({(r.task, r.name) for r in runs}) >= 5
+    assert any(r.config.get("variant") == "sdpa" for r in runs)
