@@ -38,7 +38,7 @@ from zoo.ops import blocked_attention, pad_to_multiple, rows_attention
 from zoo.ops.select import select_blocks
 from zoo.variant import AttentionCall, IndexPredicate, Param, Variant, VariantParameterError
 
-LAYOUT_CACHE_SIZE = 256
+LAYOUT_CACHE_SIZE = 256  # (layer, length) layouts kept; each is H·nb·(w+2g+r) indices
 GATHER_CHUNK_ELEMENTS = 2**25  # gathered key elements per batched SDPA call (128 MB in fp32)
 
 
@@ -205,6 +205,7 @@ class BigBirdAttention(Variant):
         return layout
 
     def pattern(self, call: AttentionCall, q_len: int, kv_len: int) -> IndexPredicate:
+        """The kernel's own cached layout as an index predicate (O(n²) when evaluated: tests only)."""
         block = self.block_size
         num_blocks = -(-kv_len // block)
 
