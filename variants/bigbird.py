@@ -19,7 +19,7 @@ random blocks are drawn among earlier blocks. There a query block's layout is dr
 only, so a token's output depends neither on later tokens nor on the total length (decoding with a KV cache
 gives what the full forward gives).
 
-Kernel: each non-global query block gathers its key blocks (``select_blocks``) and all of them run through
+Kernel: each non-global query block gathers its key blocks (``gather_blocks``) and all of them run through
 one batched ``scaled_dot_product_attention`` (``blocked_attention``); the global query blocks go through
 ``rows_attention`` over all keys. O(n · block · (window + 2·global + random)) time and memory.
 """
@@ -34,8 +34,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from zoo.ops import blocked_attention, pad_to_multiple, rows_attention
-from zoo.ops.select import select_blocks
+from zoo.ops import blocked_attention, gather_blocks, pad_to_multiple, rows_attention
 from zoo.variant import AttentionCall, IndexPredicate, Param, Variant, VariantParameterError
 
 LAYOUT_CACHE_SIZE = 256  # (layer, length) layouts kept; each is H·nb·(w+2g+r) indices
@@ -307,8 +306,8 @@ class BigBirdAttention(Variant):
         batch, heads, _, dim = q.shape
         groups, slots = key_blocks.shape[1:]
         q_blocks = q.reshape(batch, heads * groups, block, dim)
-        k_blocks = select_blocks(k, block, key_blocks).view(batch, heads * groups, slots * block, dim)
-        v_blocks = select_blocks(v, block, key_blocks).view(batch, heads * groups, slots * block, dim)
+        k_blocks = gather_blocks(k, block, key_blocks).view(batch, heads * groups, slots * block, dim)
+        v_blocks = gather_blocks(v, block, key_blocks).view(batch, heads * groups, slots * block, dim)
         allowed = allowed.reshape(allowed.shape[0], heads * groups, allowed.shape[-2], slots * block)
         out = blocked_attention(q_blocks, k_blocks, v_blocks, allowed, call)
         return out.view(batch, heads, groups * block, dim)
