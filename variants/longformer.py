@@ -114,32 +114,20 @@ class LongformerAttention(Variant):
         half, dilation = self._half(call.layer_idx), self.dilation
         key_real = call.padding_mask if call.padding_mask is not None else q.new_ones(1, n, dtype=torch.bool)
         is_global = self.global_mask(call, n, q.device)
-        # With a KV cache (q_len < n) only the last half * dilation keys before the first query are in reach.
-        start = max(0, n - q_len - half * dilation)
-        band_q = F.pad(q, (0, 0, n - q_len - start, 0))  # (a no-op unless decoding with a cache)
-        positions = torch.arange(start, n, device=q.device)
+        first = n - q_len  # position of the first query: 0 unless decoding with a KV cache
+        start = max(0, first - half * dilation)  # keys before it are in no query's window
+        band_q = q if first == start else F.pad(q, (0, 0, first - start, 0))
+        in_reach = (band_q, _rows_from(k, start, -2), _rows_from(v, start, -2))
         if is_global is None:
-            return _local_attention(
-                band_q, k[..., start:, :], v[..., start:, :], key_real[:, start:], call, half, dilation
-            )[..., -q_len:, :]
-        slots, valid = _global_slots(is_global)
-        extra_k, extra_v = _gather_rows(k, slots), _gather_rows(v, slots)
-        extra_ok = valid[:, None, :]  # (B, 1, G): every query sees every global key ...
-        if call.causal:  # ... that is not in its future
-            extra_ok = extra_ok & (slots[:, None, :] <= positions[None, :, None])
-        band_ok = (key_real & ~is_global)[:, start:]  # global keys are counted in the appended part only
-        local = _local_attention(
-            band_q, k[..., start:, :], v[..., start:, :], band_ok, call, half, dilation, (extra_k, extra_v, extra_ok)
-        )[..., -q_len:, :]
-        rows_at = slots - (n - q_len)  # global tokens among the queries (all of them unless decoding)
-        valid = valid & (rows_at >= 0)
-        rows_at = rows_at.clamp_min(0)
-        rows = _global_rows(_gather_rows(q, rows_at), k, v, key_real, slots, valid, call)
-        return _overwrite_rows(local, rows, rows_at, valid, is_global[:, n - q_len :])
+            return _last_rows(_local_attention(*in_reach, _rows_from(key_real, start), call, half, dilation), q_len)
+        extra = _global_keys(k, v, is_global, call.causal, start)
+        band_ok = _rows_from(key_real & ~is_global, start)  # global keys count once: in the appended part
+        local = _last_rows(_local_attention(*in_reach, band_ok, call, half, dilation, extra), q_len)
+        return _with_global_rows(local, q, k, v, key_real, is_global, call)
 
     def flops(self, n: int, heads: int, head_dim: int, causal: bool = False) -> float:
         """Forward QK^T + PV FLOPs the blocked kernel really computes (masked band edges included)."""
-        windows = self.config["window"] if isinstance(self.window, list) else [self.window]
+        windows = self.window if isinstance(self.window, list) else [self.window]
         half = sum(windows) // len(windows) // 2
         globals_ = len(self.global_tokens) if self.global_tokens is not None else (0 if causal else 1)
         lane = math.ceil(n / self.dilation)
@@ -171,12 +159,24 @@ def _geometry(half: int, length: int, causal: bool) -> tuple[int, int, int, int]
     return block, blocks, before, 0 if causal else before
 
 
+def _rows_from(x: torch.Tensor, start: int, dim: int = -1) -> torch.Tensor:
+    """``x`` from index ``start`` on along ``dim``; no slice op (whose backward zero-fills a copy) when start is 0."""
+    return x if start == 0 else x.narrow(dim, start, x.shape[dim] - start)
+
+
+def _last_rows(x: torch.Tensor, count: int) -> torch.Tensor:
+    return x if x.shape[-2] == count else x[..., -count:, :]
+
+
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
 def _global_slots(is_global: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions of each row's global tokens in ascending order, (B, G), and which slots are real, (B, G)."""
+    """Positions of each row's global tokens, ascending, (B, G), and which slots are real, (B, G).
+
+    A row with fewer globals fills its spare slots with its first non-global positions (distinct ones).
+    """
     counts = is_global.sum(-1)
     width = int(counts.max())
     order = torch.sort(is_global.to(torch.uint8), dim=-1, descending=True, stable=True).indices
@@ -202,7 +202,8 @@ def _local_attention(q, k, v, band_ok, call, half, dilation, extra=None) -> torc
     lane = math.ceil(n / dilation)
     block, blocks, _, _ = _geometry(half, lane, call.causal)
     padded = blocks * block * dilation
-    q, k, v = (F.pad(x, (0, 0, 0, padded - n)) for x in (q, k, v))
+    if padded > n:
+        q, k, v = (F.pad(x, (0, 0, 0, padded - n)) for x in (q, k, v))
     band_ok = F.pad(band_ok.expand(batch, n), (0, padded - n))
     if extra is not None:
         extra_k, extra_v, extra_ok = extra
@@ -216,7 +217,7 @@ def _local_attention(q, k, v, band_ok, call, half, dilation, extra=None) -> torc
     out = _banded(q, k, v, band_ok, half, block, call, None if extra is None else (extra_k, extra_v, extra_ok))
     if dilation > 1:
         out = _from_lanes(out, 2, dilation)
-    return out[..., :n, :]
+    return out if padded == n else out[..., :n, :]
 
 
 def _to_lanes(x: torch.Tensor, dim: int, dilation: int) -> torch.Tensor:
@@ -265,17 +266,27 @@ def _banded(q, k, v, band_ok, half, block, call, extra) -> torch.Tensor:
     return out.view(batch, blocks, heads, block, head_dim).transpose(1, 2).reshape(batch, heads, n, head_dim)
 
 
-def _global_rows(q_rows, k, v, key_real, slots, valid, call) -> torch.Tensor:
-    """Global query rows (B, H, G, D) at positions ``slots`` over every real key (causal: up to themselves)."""
+def _global_keys(k, v, is_global, causal, start):
+    """The global keys appended to every block: (keys (B, H, G, D), values, allowed (B, 1 | n - start, G))."""
+    slots, valid = _global_slots(is_global)
+    allowed = valid[:, None, :]  # every query sees every global key ...
+    if causal:  # ... that is not in its future
+        queries = torch.arange(start, is_global.shape[-1], device=slots.device)
+        allowed = allowed & (slots[:, None, :] <= queries[None, :, None])
+    return _gather_rows(k, slots), _gather_rows(v, slots), allowed
+
+
+def _with_global_rows(local, q, k, v, key_real, is_global, call) -> torch.Tensor:
+    """``local`` (B, H, q_len, D) with the rows of global queries replaced by their attention over all keys."""
+    first = k.shape[-2] - q.shape[-2]
+    rows_at, valid = _global_slots(is_global[:, first:])
+    if rows_at.shape[-1] == 0:
+        return local
     allowed = key_real[:, None, None, :] & valid[:, None, :, None]
     if call.causal:
-        allowed = allowed & (torch.arange(k.shape[-2], device=k.device) <= slots[:, None, :, None])
-    return rows_attention(q_rows, k, v, allowed, call)
-
-
-def _overwrite_rows(local, rows, rows_at, valid, is_global) -> torch.Tensor:
-    """``local`` (B, H, n, D) with the rows of global queries replaced by ``rows`` (B, H, G, D)."""
-    batch, heads, count, head_dim = rows.shape
-    index = rows_at[:, None, :, None].expand(batch, heads, count, head_dim)
-    placed = torch.zeros_like(local).scatter_add(2, index, rows * valid[:, None, :, None])
-    return torch.where(is_global[:, None, :, None], placed, local)
+        allowed = allowed & (torch.arange(k.shape[-2], device=k.device) <= (rows_at + first)[:, None, :, None])
+    rows = rows_attention(_gather_rows(q, rows_at), k, v, allowed, call)
+    index = rows_at[:, None, :, None].expand(rows.shape)
+    # Unused slots point at distinct non-global rows (see _global_slots): they write back the local value.
+    rows = torch.where(valid[:, None, :, None], rows, local.gather(2, index))
+    return local.scatter(2, index, rows)
