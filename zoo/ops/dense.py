@@ -48,7 +48,7 @@ def allowed_mask(
     if not parts:
         return None
     predicate = and_masks(*parts) if len(parts) > 1 else parts[0]
-    b = torch.arange(batch if call.padding_mask is not None else 1, device=device)[:, None, None, None]
+    b = torch.arange(batch, device=device)[:, None, None, None]  # patterns may depend on the batch row
     h = torch.arange(heads, device=device)[None, :, None, None]
     q = torch.arange(kv_len - q_len, kv_len, device=device)[None, None, :, None]
     kv = torch.arange(kv_len, device=device)[None, None, None, :]
