@@ -81,10 +81,9 @@ class LongformerAttention(Variant):
             allowed = (offset.abs() <= reach) & (offset % dilation == 0)
             if is_global is None:
                 return allowed
-            if is_global.shape[0] > 1 and b.numel() == 1:  # the caller did not broadcast the batch
-                b = torch.arange(is_global.shape[0], device=is_global.device).view(-1, 1, 1, 1)
             g = is_global.to(q_idx.device)
-            return allowed | g[b, q_idx] | g[b, kv_idx]
+            rows = b if g.shape[0] > 1 else torch.zeros_like(b)
+            return allowed | g[rows, q_idx] | g[rows, kv_idx]
 
         return longformer_pattern
 
