@@ -16,12 +16,13 @@ Config keys::
     overrides: {disable_tqdm: true}               # fine-tune keys applied to every run
     variants:                                     # every task runs these; `name` labels the row
       - {variant: sdpa}
-      - {variant: longformer, variant_params: {window: 256}}
     tasks:
       - name: brown
         config: recipes/configs/brown/minilm_cpu.yaml     # a fine-tune config (zoo/train.py keys)
         overrides: {max_steps: 12}
-        extra_variants: [{name: sdpa-512, variant: sdpa, max_length: 512}]   # e.g. a truncated baseline
+        variants:                                 # this task's own entries, after the shared ones
+          - {variant: longformer, variant_params: {window: 256}}
+          - {name: sdpa-512, variant: sdpa, max_length: 512, longify: false}   # a truncated baseline
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from tqdm.auto import tqdm
 from zoo.train import FinetuneConfig, check_known_keys, load_yaml, package_versions
 
 COMPARE_KEYS = ("output_dir", "launcher", "seeds", "timeout_minutes", "overrides", "variants", "tasks")
-TASK_KEYS = ("name", "config", "overrides", "extra_variants")
+TASK_KEYS = ("name", "config", "overrides", "variants")
 METRIC_COLUMNS = ("eval_accuracy", "eval_macro_f1", "eval_loss")
 SPEED_COLUMNS = ("train_tokens_per_second", "eval_tokens_per_second", "peak_memory_mb", "wall_time_seconds")
 
@@ -98,10 +99,10 @@ def plan_runs(cfg: dict, output_dir: Path) -> list[Run]:
         unknown = sorted(set(task) - set(TASK_KEYS))
         if unknown or "name" not in task or "config" not in task:
             raise ValueError(
-                f"task entry {task!r}: needs `name` and `config`; optional keys: overrides, extra_variants."
+                f"task entry {task!r}: needs `name` and `config`; optional keys: overrides, variants."
             )
         base = load_yaml(task["config"])
-        entries = list(cfg.get("variants") or []) + list(task.get("extra_variants") or [])
+        entries = list(cfg.get("variants") or []) + list(task.get("variants") or [])
         labels = [variant_label(e) for e in entries]
         if len(set(labels)) != len(labels):
             raise ValueError(f"task {task['name']!r}: two variant entries share a name; give each a distinct `name`.")

@@ -444,7 +444,7 @@ def publish(cfg: FinetuneConfig, out: Path) -> None:
         if exc.name != "zoo.card":
             raise
     else:
-        write_model_card(out)
+        write_model_card(out, repo_id=cfg.hub_model_id)
     if cfg.push_to_hub:
         from zoo.push import push_folder
 
