@@ -2,10 +2,12 @@
 features, in O(n·m·d) time through :func:`zoo.ops.linear_attention` (causal: chunked prefix sums).
 
 softmax(q·k·s) ∝ exp(q'·k') with q' = √s·q, k' = √s·k, and exp(q'·k') = E_w[φ(q')·φ(k')] for
-φ(x) = exp(Wx − ‖x‖²/2)/√m with Gaussian rows w. W is made of orthogonal blocks (QR of Gaussian d x d blocks)
-with rows of norm √d. W is a deterministic function of (seed, layer, draw): the draw index
-advances every ``redraw_interval`` training forward calls of a layer and its counter lives in ``call.state``
-(saved in config.json), so a reloaded model rebuilds exactly the same features. Eval never redraws.
+φ(x) = exp(Wx − ‖x‖²/2)/√m with Gaussian rows w. Here W is made of orthogonal blocks (QR of Gaussian d x d
+blocks) with rows of norm √d (lower variance than Gaussian row norms, see :meth:`draw_projection`).
+
+W is a deterministic function of (seed, layer, draw): the draw index advances every ``redraw_interval``
+training forward calls of a layer and its counter lives in ``call.state`` (saved in config.json), so a reloaded
+model rebuilds exactly the same features. Eval never redraws.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ class PerformerAttention(Variant):
             1000, int, "training forward calls (per layer) between feature redraws; 0 = never redraw", min=0
         ),
         "feature_map": Param(
-            "softmax", str, "'softmax': positive random features (FAVOR+); 'relu': relu(Wx) features", choices=(
-                "softmax", "relu")
+            "softmax", str, "'softmax': positive random features (FAVOR+); 'relu': relu(Wx) features",
+            choices=("softmax", "relu"),
         ),
         "seed": Param(0, int, "seed of the random projections (combined with the layer index and draw)", min=0),
     }
