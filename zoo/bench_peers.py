@@ -371,6 +371,12 @@ class PerformerPytorchPeer(Peer):
     defaults = {"nb_features": 256}
     links = {"nb_features": ("performer", "nb_features", int)}
 
+    def unsupported(self, n: int, causal: bool) -> str | None:
+        # Without its CUDA extension, causal FastAttention builds the full n·m·d cumulative tensor (minutes at 8K).
+        if causal and not torch.cuda.is_available():
+            return "performer-pytorch's causal CPU path builds an n·m·d cumulative tensor"
+        return None
+
     def flops(self, n: int, heads: int, head_dim: int, causal: bool) -> float:
         # features of q and k (2·n·m·d each), k^T v and q (k^T v) (2·n·m·d each)
         return 8.0 * heads * head_dim * n * self.params["nb_features"]

@@ -128,14 +128,16 @@ class Variant:
     Class attributes (all public, shown by ``zoo list``):
 
     * ``name`` -- registry name (the entry-point name).
-    * ``exact`` -- True if the output equals softmax attention restricted to ``pattern``.
+    * ``exact`` -- True if the output equals softmax attention restricted to ``pattern`` (fp32, atol 1e-5).
     * ``supports_causal`` / ``supports_bidirectional``.
     * ``time_complexity`` / ``memory_complexity`` -- in n (sequence length), e.g. ``"O(n·w)"``.
     * ``params`` -- ``{name: Param}``; validated at :func:`zoo.configure` time.
     * ``supports_dropout`` -- if False, attention dropout > 0 in training raises a clear error.
     * ``error_bound`` -- approximate variants: the max relative error (Frobenius norm of the
-      difference over the norm of the softmax reference) at default parameters on the contract
-      suite's inputs.
+      difference over the norm of the reference) at default parameters on the contract suite's inputs.
+      The reference is softmax attention restricted to ``pattern``, unless the variant defines an optional
+      ``reference(q, k, v, call)`` method: the O(n²) readable definition of an attention that is not
+      softmax (e.g. ``linear``), used by the tests only.
     """
 
     name: ClassVar[str] = ""
