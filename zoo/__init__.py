@@ -5,6 +5,7 @@ saved with a variant load back with it.
 """
 
 from zoo.hf import IMPLEMENTATION, configure, install, variant_for, variant_spec
+from zoo.longify import longify
 from zoo.registry import (
     BrokenVariantError,
     UnknownVariantError,
@@ -32,6 +33,7 @@ __all__ = [
     "configure",
     "get_variant_class",
     "list_variants",
+    "longify",
     "register_variant",
     "unregister_variant",
     "variant_for",
