@@ -185,7 +185,7 @@ def check_config(cfg: FinetuneConfig) -> None:
         )
     if cfg.max_length < 8:
         raise ValueError(f"max_length={cfg.max_length} is too short; use at least 8 tokens.")
-    zoo.get_variant_class(cfg.variant)  # unknown / broken variant: clear error now
+    zoo.get_variant_class(cfg.variant)(**cfg.variant_params)  # unknown variant or bad parameter: clear error now
     if cfg.push_to_hub and not cfg.hub_model_id:
         raise ValueError("push_to_hub is true but hub_model_id is not set; give the repository id, e.g. 'me/model'.")
     check_output_dir(cfg)
@@ -229,11 +229,11 @@ def load_splits(cfg: FinetuneConfig) -> tuple[Any, list[str]]:
     for split in ("train", cfg.eval_split):
         if split not in dataset:
             raise ValueError(f"task {cfg.task!r} has no split {split!r}; its splits: {', '.join(dataset)}.")
-    limits = {"train": cfg.max_train_examples}
-    limits.update({s: cfg.max_eval_examples for s in dataset if s != "train"})
-    for split, limit in limits.items():
+    for split in dataset:
+        limit = cfg.max_train_examples if split == "train" else cfg.max_eval_examples
         if limit is not None and limit < len(dataset[split]):
-            dataset[split] = dataset[split].shuffle(seed=cfg.seed).select(range(limit))
+            seed = cfg.seed if split == "train" else 0  # the same evaluation examples whatever the training seed
+            dataset[split] = dataset[split].shuffle(seed=seed).select(range(limit))
     return dataset, dataset["train"].features["label"].names
 
 
