@@ -98,9 +98,7 @@ def plan_runs(cfg: dict, output_dir: Path) -> list[Run]:
     for task in cfg["tasks"]:
         unknown = sorted(set(task) - set(TASK_KEYS))
         if unknown or "name" not in task or "config" not in task:
-            raise ValueError(
-                f"task entry {task!r}: needs `name` and `config`; optional keys: overrides, variants."
-            )
+            raise ValueError(f"task entry {task!r}: needs `name` and `config`; optional keys: overrides, variants.")
         base = load_yaml(task["config"])
         entries = list(cfg.get("variants") or []) + list(task.get("variants") or [])
         labels = [variant_label(e) for e in entries]
