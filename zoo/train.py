@@ -155,12 +155,13 @@ def check_known_keys(values: dict, config_class: type, source: str) -> None:
 def parse_config(argv: list[str] | None = None) -> FinetuneConfig:
     """``CONFIG.yaml [--key value ...]`` -> FinetuneConfig (YAML values are the defaults of the parser)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser(FinetuneConfig, description=__doc__.split("\n\n")[0])
+    usage = "finetune.py CONFIG.yaml [--key value ...]  (every key of the YAML can be overridden)"
+    parser = HfArgumentParser(FinetuneConfig, usage=usage, description=__doc__.split("\n\n")[0])
     if not argv or argv[0].startswith("-"):
         if argv and argv[0] in ("-h", "--help"):
             parser.print_help()
             raise SystemExit(0)
-        raise SystemExit("usage: finetune.py CONFIG.yaml [--key value ...]  (e.g. recipes/configs/smoke.yaml)")
+        raise SystemExit(f"usage: {usage}; e.g. recipes/configs/smoke.yaml")
     values = load_yaml(argv[0])
     check_known_keys(values, FinetuneConfig, argv[0])
     parser.set_defaults(**values)
