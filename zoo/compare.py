@@ -157,23 +157,29 @@ def launch(run: Run, launcher: str | None, timeout_s: float) -> Outcome:
             os.killpg(process.pid, signal.SIGTERM)  # the launcher and the training processes it started
             process.wait()
             return Outcome("timeout", f"stopped after {timeout_s / 60:.0f} minutes (timeout_minutes); log: {log_path}")
-    results_path = run.run_dir / "results.json"
-    if returncode != 0 or not results_path.is_file():
+    results_path = run.run_dir / "results.json"  # the run folder was emptied above: this run wrote it
+    if not results_path.is_file():
         return Outcome("failed", f"{last_error(log_path)} (exit code {returncode}; log: {log_path})")
-    return Outcome("ok", results=json.loads(results_path.read_text()))
+    note = "" if returncode == 0 else f"exit code {returncode} after writing its results: {last_error(log_path)}"
+    return Outcome("ok", note, results=json.loads(results_path.read_text()))
 
 
 ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception|Interrupt))\b:?(.*)$")
 WRAPPER_ERRORS = ("ChildFailedError", "CalledProcessError")
+CRASH_LINE = re.compile(r"(Signal \d+ \(\w+\) received by PID \d+|terminate called .*|Killed|Segmentation fault.*)")
 
 
 def last_error(log_path: Path) -> str:
-    """The last ``SomethingError: message`` line of a log (skipping the launcher's wrapper errors)."""
+    """The last ``SomethingError: message`` line of a log (not the launcher's wrapper errors), else a crash."""
     lines = log_path.read_text(errors="replace").splitlines()
     for line in reversed(lines):
         match = ERROR_LINE.match(line.strip())
         if match and match.group(1) not in WRAPPER_ERRORS:
             return line.strip()[:500]
+    for line in reversed(lines):
+        crash = CRASH_LINE.search(line)
+        if crash:
+            return crash.group(1)[:500]
     tail = [line.strip() for line in lines if line.strip()]
     return tail[-1][:500] if tail else "no output"
 
@@ -213,7 +219,8 @@ def summarize(rows: list[dict]) -> list[dict]:
         entry["seeds_ok"], entry["seeds"] = len(done), len(group)
         failed = next((r for r in group if r["status"] != "ok"), None)
         entry["status"] = "ok" if failed is None else failed["status"]
-        entry["error"] = failed["error"] if failed else ""
+        notes = dict.fromkeys(r["error"] for r in group if r["error"])
+        entry["error"] = failed["error"] if failed else "; ".join(notes)
         for key in METRIC_COLUMNS + SPEED_COLUMNS:
             values = [r[key] for r in done if r[key] is not None]
             entry[key] = statistics.fmean(values) if values else None
@@ -254,9 +261,10 @@ def markdown_report(cfg: dict, summary: list[dict], config_path: str, minutes: f
                 f"| {fmt(r['eval_tokens_per_second'])} | {fmt(r['peak_memory_mb'])} | {fmt(r['wall_time_seconds'])} "
                 f"| {r['status']} |"
             )
-        failures = [r for r in summary if r["task"] == task and r["status"] != "ok"]
-        if failures:
-            lines += ["", "Not finished:", ""] + [f"- **{r['name']}** ({r['status']}): {r['error']}" for r in failures]
+        notes = [r for r in summary if r["task"] == task and r["error"]]
+        if notes:
+            lines += ["", "Failures and notes:", ""]
+            lines += [f"- **{r['name']}** ({r['status']}): {r['error']}" for r in notes]
         lines += ["", f"![LRA-style chart]({plot_name('lra', task)})", f"![accuracy]({plot_name('accuracy', task)})"]
     return "\n".join(lines) + "\n"
 

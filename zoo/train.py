@@ -486,13 +486,16 @@ def run(cfg: FinetuneConfig) -> dict | None:
     }
     trainer.save_model(cfg.output_dir)
     trainer.save_state()
-    if not trainer.is_world_process_zero():
-        return None
-    speeds["wall_time_seconds"] = time.perf_counter() - started
-    results = results_record(cfg, model, encoded, label_names, metrics, speeds, args.world_size, base_model)
-    out = Path(cfg.output_dir)
-    write_outputs(out, results, computer, label_names)
-    publish(cfg, out)
+    results = None
+    if trainer.is_world_process_zero():
+        speeds["wall_time_seconds"] = time.perf_counter() - started
+        results = results_record(cfg, model, encoded, label_names, metrics, speeds, args.world_size, base_model)
+        write_outputs(Path(cfg.output_dir), results, computer, label_names)
+        publish(cfg, Path(cfg.output_dir))
+    # Leave together and close the process group: a gloo group left to interpreter shutdown can abort
+    # ("terminate called without an active exception") and make the launcher report a finished run as failed.
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
     return results
 
 
