@@ -97,6 +97,7 @@ def test_smoke_finetune_writes_every_output(full_run):
     expected = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "results.json",
                 "train_log.jsonl", "trainer_state.json", "eval_predictions.csv", "checkpoint-4"}  # fmt: skip
     assert expected <= names
+    assert "README.md" in names and not any(n.endswith((".bin", ".pt", ".pkl")) for n in names), names
     record = results(full_run)
     assert set(record) == RESULTS_KEYS
     assert record["variant"] == "sdpa" and record["num_processes"] == 1 and record["base_model"] is None

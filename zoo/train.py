@@ -438,14 +438,12 @@ def write_outputs(out: Path, results: dict, computer: MetricComputer, label_name
 
 
 def publish(cfg: FinetuneConfig, out: Path) -> None:
-    """Model card (zoo.card, if installed) and, when asked, the push to the Hub (zoo.push)."""
-    try:
-        from zoo.card import write_model_card
-    except ModuleNotFoundError as exc:
-        if exc.name != "zoo.card":
-            raise
-    else:
-        write_model_card(out, repo_id=cfg.hub_model_id)
+    """Make the folder Hub-ready (model card, no pickle files) and, when asked, push it (zoo.push)."""
+    from zoo.card import write_model_card
+
+    # Trainer.save_model pickles the TrainingArguments; the recipe config is in results.json already.
+    (out / transformers.trainer.TRAINING_ARGS_NAME).unlink(missing_ok=True)
+    write_model_card(out, repo_id=cfg.hub_model_id)
     if cfg.push_to_hub:
         from zoo.push import push_folder
 
