@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import difflib
+import gc
 import importlib.metadata
 import json
 import resource
@@ -490,11 +491,24 @@ def run(cfg: FinetuneConfig) -> dict | None:
         results = results_record(cfg, model, encoded, label_names, metrics, speeds, args.world_size, base_model)
         write_outputs(Path(cfg.output_dir), results, computer, label_names)
         publish(cfg, Path(cfg.output_dir))
-    # Leave together and close the process group: a gloo group left to interpreter shutdown can abort
-    # ("terminate called without an active exception") and make the launcher report a finished run as failed.
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()
+    close_process_group(trainer)
     return results
+
+
+def close_process_group(trainer: Trainer) -> None:
+    """Leave together, free the DistributedDataParallel wrapper, then destroy the process group.
+
+    Left to interpreter shutdown, a gloo group can abort the process ("terminate called without an active
+    exception"), so the launcher reports a finished run as failed. Destroying the group while DDP still holds
+    it is no better: the wrapper, freed later, drops the group's last reference and its destructor waits on
+    worker threads that wait for the GIL (a deadlock). Hence this order.
+    """
+    accelerator = trainer.accelerator
+    accelerator.wait_for_everyone()
+    trainer.model_wrapped = trainer.model
+    accelerator.free_memory()
+    gc.collect()
+    accelerator.end_training()
 
 
 def main(argv: list[str] | None = None) -> None:
