@@ -18,6 +18,8 @@ import tempfile
 import pytest
 import torch
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import zoo
 from zoo.hf import run_variant
@@ -90,6 +92,22 @@ def assert_matches_reference(variant: Variant, out, ref, what: str = "output") -
     else:
         err = relative_error(out, ref)
         assert err <= variant.error_bound, f"{variant.name}: relative {what} error {err:.4f} > {variant.error_bound}"
+
+
+class LargestAllocation(TorchDispatchMode):
+    """Records the largest storage (in elements) any op produces, forward and backward: tests use it to
+    show a sub-quadratic kernel never allocates anything of size n x n."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.untyped_storage().nbytes() // t.element_size())
+        return out
 
 
 # ------------------------------------------------------------------------------------------------------

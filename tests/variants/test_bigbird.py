@@ -15,11 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import zoo
 from variants.bigbird import BigBirdAttention, fixed_blocks, make_layout
+from zoo.contract import LargestAllocation
 from zoo.hf import run_variant
 from zoo.ops import allowed_mask, softmax_attention
 from zoo.variant import AttentionCall, VariantParameterError
@@ -173,21 +172,6 @@ def test_causal_decoding_with_a_kv_cache_gives_the_full_forward_rows():
         torch.testing.assert_close(step[..., 0, :], full[..., t, :], atol=1e-5, rtol=1e-4)
     prefix = run_variant(variant, q[..., :90, :], k[..., :90, :], v[..., :90, :], call(True))
     torch.testing.assert_close(prefix, full[..., :90, :], atol=1e-5, rtol=1e-4)
-
-
-class LargestAllocation(TorchDispatchMode):
-    """Records the largest storage (in elements) any op produces, forward and backward."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.untyped_storage().nbytes() // t.element_size())
-        return out
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -8,11 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import zoo
 from variants.linear import LinearAttention
+from zoo.contract import LargestAllocation
 from zoo.hf import run_variant
 from zoo.ops import linear_attention
 from zoo.variant import AttentionCall, Variant
@@ -151,21 +150,6 @@ def test_low_precision_inputs_accumulate_in_fp32():
         half = run_variant(variant, *(x.bfloat16() for x in (q, k, v)), call(causal))
         assert half.dtype == torch.bfloat16
         torch.testing.assert_close(half.float(), full, atol=0.03, rtol=0.03)
-
-
-class LargestAllocation(TorchDispatchMode):
-    """Records the largest storage (in elements) any op produces, forward and backward."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.untyped_storage().nbytes() // t.element_size())
-        return out
 
 
 @pytest.mark.parametrize("causal", [False, True])
