@@ -10,10 +10,10 @@ import tempfile
 import pytest
 import torch
 import transformers
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import zoo
 from variants.sparse_transformer import SparseTransformerAttention
+from zoo.contract import LargestAllocation
 from zoo.hf import run_variant
 from zoo.ops import allowed_mask, softmax_attention
 from zoo.variant import AttentionCall, VariantParameterError
@@ -168,31 +168,16 @@ def test_kv_cache_steps_equal_the_last_rows_of_the_full_forward(pattern):
 # cost
 
 
-class LargestTensor(TorchDispatchMode):
-    """Records the largest tensor (elements) any op produces while active, forward and backward."""
-
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.numel = max(self.numel, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("pattern", ["strided", "fixed"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_no_n_by_n_intermediate_at_4096(pattern, causal):
     n = 4096
     variant = SparseTransformerAttention(pattern=pattern)  # default stride 128 = 2·√n
     q, k, v = qkv(1, n)
-    probe = LargestTensor()
+    probe = LargestAllocation()
     with probe:
         run_variant(variant, q, k, v, make_call(causal)).sum().backward()
-    assert 0 < probe.numel < n * n / 8, f"an intermediate of {probe.numel} elements (n x n = {n * n})"
+    assert 0 < probe.largest < n * n / 8, f"an intermediate of {probe.largest} elements (n x n = {n * n})"
 
 
 def test_flops_grow_as_n_to_the_1_5_at_stride_root_n():

@@ -16,10 +16,10 @@ import types
 import pytest
 import torch
 import transformers
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import variants.xformers as xf
 import zoo
+from zoo.contract import LargestAllocation
 from zoo.hf import run_variant
 from zoo.ops import allowed_mask, softmax_attention
 from zoo.variant import AttentionCall
@@ -246,21 +246,6 @@ def test_kv_cache_steps_equal_the_last_rows_of_the_full_forward():
         torch.testing.assert_close(step, full[:, :, -2:], atol=1e-5, rtol=1e-4)
 
 
-class LargestTensor(TorchDispatchMode):
-    """Records the largest tensor (elements) any op produces while active, forward and backward."""
-
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.numel = max(self.numel, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("window", [None, 64])
 def test_no_n_by_n_intermediate_at_4096_with_padding(causal, window):
@@ -268,10 +253,10 @@ def test_no_n_by_n_intermediate_at_4096_with_padding(causal, window):
     q, k, v = qkv(2, n, heads=1)
     mask = torch.ones(2, n, dtype=torch.bool)
     mask[1, 3000:] = False
-    probe = LargestTensor()
+    probe = LargestAllocation()
     with probe:
         run_variant(xf.XFormersAttention(window=window), q, k, v, make_call(causal, mask)).sum().backward()
-    assert 0 < probe.numel < n * n / 8, f"an intermediate of {probe.numel} elements (n x n = {n * n})"
+    assert 0 < probe.largest < n * n / 8, f"an intermediate of {probe.largest} elements (n x n = {n * n})"
 
 
 @pytest.mark.parametrize("family", ["bert", "llama"])
