@@ -19,9 +19,10 @@ random blocks are drawn among earlier blocks. There a query block's layout is dr
 only, so a token's output depends neither on later tokens nor on the total length (decoding with a KV cache
 gives what the full forward gives).
 
-Kernel: each non-global query block gathers its key blocks (``gather_blocks``) and all of them run through
-one batched ``scaled_dot_product_attention`` (``blocked_attention``); the global query blocks go through
-``rows_attention`` over all keys. O(n · block · (window + 2·global + random)) time and memory.
+Kernel: every query block attends to its gathered key blocks through :func:`zoo.ops.gathered_attention` (on CPU
+chunks of query blocks through the flash kernel, recomputing each chunk's gather in the backward); the global
+query blocks then get ``rows_attention`` over all keys. O(n · block · (window + 2·global + random)) time, and
+O(n · d) memory besides one chunk.
 """
 
 from __future__ import annotations
@@ -34,11 +35,10 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from zoo.ops import blocked_attention, gather_blocks, pad_to_multiple, rows_attention
+from zoo.ops import gathered_attention, pad_to_multiple, rows_attention
 from zoo.variant import AttentionCall, IndexPredicate, Param, Variant, VariantParameterError
 
 LAYOUT_CACHE_SIZE = 256  # (layer, length) layouts kept; each is H·nb·(w+2g+r) indices
-GATHER_CHUNK_ELEMENTS = 2**25  # gathered key elements per batched SDPA call (128 MB in fp32)
 
 
 @dataclass
@@ -165,7 +165,7 @@ class BigBirdAttention(Variant):
     supports_bidirectional = True
     supports_dropout = True
     time_complexity = "O(n·b·(w+r+2g))"
-    memory_complexity = "O(n·b·(w+r+2g))"
+    memory_complexity = "O(n·d) on CPU, else O(n·b·(w+r+2g))"
     params = {
         "block_size": Param(64, int, "tokens per block", min=1, max=4096),
         "num_random_blocks": Param(3, int, "random key blocks per query block", min=0, max=64),
@@ -248,21 +248,23 @@ class BigBirdAttention(Variant):
         return F.pad(padding_mask.to(device=device, dtype=torch.bool), (0, padded_len - kv_len), value=False)
 
     def _attend_bidirectional(self, q, k, v, layout: BlockLayout, key_real, call: AttentionCall) -> torch.Tensor:
+        """Every query block runs through the gathered kernel (a view of q, no copy); the rows of the global
+        query blocks are then replaced by their attention over all keys (2·g blocks of wasted work)."""
         block, n = self.block_size, q.shape[-2]
         num_blocks = layout.global_queries.shape[0]
         front = min(self.num_global_blocks, num_blocks)
         back = max(num_blocks - self.num_global_blocks, front)
         q = pad_to_multiple(q, block)
-        parts = []
-        if back > front:
-            middle = q[:, :, front * block : back * block]
-            parts.append(self._blocked(middle, k, v, layout, range(front, back), key_real, call))
-        global_q = torch.cat([q[:, :, : front * block], q[:, :, back * block :]], dim=2)
-        if global_q.shape[-2]:
+        out = self._blocked(q, k, v, layout, range(num_blocks), key_real, call)
+        if front or back < num_blocks:
+            # split, not slicing: its backward concatenates the pieces' gradients instead of zero-filling copies
+            sizes = [front * block, (back - front) * block, (num_blocks - back) * block]
+            head, _, tail = q.split(sizes, dim=2)
             everything = None if key_real is None else key_real[:, None, None, :]
-            global_out = rows_attention(global_q, k, v, everything, call)
-            parts = [global_out[:, :, : front * block], *parts, global_out[:, :, front * block :]]
-        return torch.cat(parts, dim=2)[:, :, :n]
+            global_out = rows_attention(torch.cat([head, tail], dim=2), k, v, everything, call)
+            out = torch.cat([global_out[:, :, : sizes[0]], out.split(sizes, dim=2)[1], global_out[:, :, sizes[0] :]],
+                            dim=2)
+        return out if out.shape[-2] == n else out[:, :, :n]
 
     def _attend_causal(self, q, k, v, layout: BlockLayout, key_real, call: AttentionCall, kv_len: int):
         """Queries are the last q_len of the kv_len positions (a KV cache holds the earlier ones): pad them on
@@ -277,13 +279,13 @@ class BigBirdAttention(Variant):
 
     def _blocked(self, q, k, v, layout: BlockLayout, rows: range, key_real, call: AttentionCall,
                  query_positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Query blocks ``rows`` (q holds exactly those rows, (B, H, G*block, D)) over their gathered key blocks.
-
-        Heads go in chunks of about GATHER_CHUNK_ELEMENTS gathered keys: the backward then holds the gradient of
-        one chunk's gathered keys at a time instead of all of them (peak memory), at no cost in speed.
-        """
+        """Query blocks ``rows`` (q holds exactly those rows, (B, H, G*block, D)) over their gathered key blocks,
+        through :func:`zoo.ops.gathered_attention` with one entry per (batch row, head, query block)."""
         block = self.block_size
+        batch, heads, _, dim = q.shape
+        num_blocks = k.shape[-2] // block
         key_blocks = layout.key_blocks[:, rows.start : rows.stop]  # (H, G, K)
+        groups, slots = key_blocks.shape[1:]
         key_positions = (key_blocks[..., None] * block + torch.arange(block, device=q.device)).flatten(-2)
         allowed = layout.valid[:, rows.start : rows.stop].repeat_interleave(block, -1)[None]  # (1, H, G, K*block)
         if key_real is not None:
@@ -291,23 +293,16 @@ class BigBirdAttention(Variant):
         allowed = allowed[..., None, :]  # (B|1, H, G, 1, K*block)
         if query_positions is not None:  # causal: (G, block) absolute positions of the query rows
             allowed = allowed & (key_positions[:, :, None, :] <= query_positions[None, :, :, None])
-        heads, per_head = q.shape[1], q.shape[0] * key_positions[0].numel() * q.shape[-1]
-        step = max(1, GATHER_CHUNK_ELEMENTS // per_head)
-        outs = [
-            self._blocked_heads(q[:, h : h + step], k[:, h : h + step], v[:, h : h + step], key_blocks[h : h + step],
-                                allowed[:, h : h + step], call)
-            for h in range(0, heads, step)
-        ]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-
-    def _blocked_heads(self, q, k, v, key_blocks, allowed, call: AttentionCall) -> torch.Tensor:
-        """One batched SDPA: (B, H*G) batch entries of ``block`` queries over K gathered key blocks each."""
-        block = self.block_size
-        batch, heads, _, dim = q.shape
-        groups, slots = key_blocks.shape[1:]
-        q_blocks = q.reshape(batch, heads * groups, block, dim)
-        k_blocks = gather_blocks(k, block, key_blocks).view(batch, heads * groups, slots * block, dim)
-        v_blocks = gather_blocks(v, block, key_blocks).view(batch, heads * groups, slots * block, dim)
-        allowed = allowed.reshape(allowed.shape[0], heads * groups, allowed.shape[-2], slots * block)
-        out = blocked_attention(q_blocks, k_blocks, v_blocks, allowed, call)
-        return out.view(batch, heads, groups * block, dim)
+        entries = batch * heads * groups
+        allowed = allowed.expand(batch, heads, groups, -1, -1).reshape(entries, allowed.shape[-2], slots * block)
+        first_block = (torch.arange(batch * heads, device=q.device) * num_blocks).view(batch, heads, 1, 1)
+        index = (key_blocks[None] + first_block).view(entries, slots)
+        out = gathered_attention(
+            q.reshape(entries, block, dim),
+            k.reshape(-1, block, dim),
+            v.reshape(-1, block, v.shape[-1]),
+            index,
+            allowed,
+            call,
+        )
+        return out.view(batch, heads, groups * block, -1)

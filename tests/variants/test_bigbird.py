@@ -148,19 +148,37 @@ def test_longer_inputs_not_a_block_multiple_match_the_pattern_and_are_sparse(cau
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_heads_in_chunks_give_the_same_output_and_gradients(causal, monkeypatch):
+def test_chunks_give_the_same_output_and_gradients(causal, monkeypatch):
     variant = BigBirdAttention(block_size=16, num_random_blocks=2)
     mask = torch.ones(2, 300, dtype=torch.bool)
     mask[1, 200:] = False
     results = []
-    for chunk in (2**25, 1):  # all heads in one call; one head per call
-        monkeypatch.setattr("variants.bigbird.GATHER_CHUNK_ELEMENTS", chunk)
+    for chunk in (2**25, 1):  # everything in one chunk; one query block per chunk
+        monkeypatch.setattr("zoo.ops.gathered.GATHER_CHUNK_ELEMENTS", chunk)
         q, k, v = (x.requires_grad_() for x in qkv(300, seed=2))
         out = run_variant(variant, q, k, v, call(causal, mask))
         out.pow(2).sum().backward()
         results.append([out, q.grad, k.grad, v.grad])
     for single, chunked in zip(*results, strict=True):
         torch.testing.assert_close(chunked, single, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_chunked_flash_path_equals_the_single_gather_path(causal):
+    """fp32 on CPU runs the chunked flash kernel with recompute in the backward; fp64 the one-gather SDPA path."""
+    variant = BigBirdAttention(block_size=16, num_random_blocks=2)
+    mask = torch.ones(2, 250, dtype=torch.bool)
+    mask[0, :40] = False  # whole padded blocks: their queries may see no real key at all
+    mask[1, 230:] = False
+    results = []
+    for dtype in (torch.float32, torch.float64):
+        q, k, v = (x.to(dtype).requires_grad_() for x in qkv(250, seed=3))
+        out = run_variant(variant, q, k, v, call(causal, mask))
+        out.pow(2).sum().backward()
+        results.append([x.double() for x in (out, q.grad, k.grad, v.grad)])
+    for flash, gathered in zip(*results, strict=True):
+        assert torch.isfinite(flash).all()
+        torch.testing.assert_close(flash, gathered, atol=2e-5, rtol=1e-4)
 
 
 def test_causal_decoding_with_a_kv_cache_gives_the_full_forward_rows():

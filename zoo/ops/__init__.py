@@ -10,6 +10,7 @@ from zoo.ops.blocked import (
     split_blocks,
 )
 from zoo.ops.dense import allowed_mask, expand_kv, pad_to_multiple, safe_softmax, softmax_attention
+from zoo.ops.gathered import gathered_attention
 from zoo.ops.prefix import default_chunk_size, linear_attention, linear_attention_flops, linear_attention_reference
 from zoo.ops.union import KeyPart, band_part, union_attention
 
@@ -23,6 +24,7 @@ __all__ = [
     "default_chunk_size",
     "expand_kv",
     "gather_blocks",
+    "gathered_attention",
     "linear_attention",
     "linear_attention_flops",
     "linear_attention_reference",

@@ -23,9 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from zoo.ops.blocked import band_blocks, band_positions, split_blocks
+from zoo.ops.flash import additive_mask, flash_available, flash_backward, flash_forward
 from zoo.variant import AttentionCall
-
-_FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -63,9 +62,9 @@ def union_attention(parts: list[KeyPart], call: AttentionCall) -> torch.Tensor:
     """(B, H, n, D): softmax attention of every query over the union of its parts' allowed keys."""
     dropout = call.dropout if call.training else 0.0
     q = parts[0].q
-    if q.device.type == "cpu" and q.dtype in _FLASH_DTYPES and dropout == 0.0:
+    if flash_available(q, dropout):
         layouts = tuple((part.transposed, part.q.shape[2], part.q.shape[3]) for part in parts)
-        masks = tuple(_additive(part.allowed, q.dtype) for part in parts)
+        masks = tuple(additive_mask(part.allowed, q.dtype) for part in parts)
         tensors = [x for part in parts for x in (part.q, part.k, part.v)]
         return _FlashUnion.apply(call.scaling, layouts, masks, *tensors)
     return _materialized_union(parts, call.scaling, dropout)
@@ -89,10 +88,6 @@ def from_tokens(x: torch.Tensor, transposed: bool, groups: int, per_group: int) 
     return x.reshape(x.shape[0], x.shape[1], groups, per_group, *x.shape[3:])
 
 
-def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
-
-
 # -------------------------------------------------------------------------------------------------------
 # CPU: flash kernel per part, merged by log-sum-exp
 
@@ -111,9 +106,7 @@ class _FlashUnion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scale, layouts, masks, *tensors):
         def flash(q4, k4, v4, mask4):
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q4, k4, v4, 0.0, False, attn_mask=mask4, scale=scale
-            )
+            return flash_forward(q4, k4, v4, mask4, scale)
 
         outs, lses = [], []
         for i, ((transposed, _, _), mask) in enumerate(zip(layouts, masks, strict=True)):
@@ -133,16 +126,14 @@ class _FlashUnion(torch.autograd.Function):
     def backward(ctx, grad_merged):
         merged, total, *tensors = ctx.saved_tensors
 
-        def flash_backward(grad4, q4, k4, v4, out4, lse4, mask4):
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad4, q4, k4, v4, out4, lse4, 0.0, False, attn_mask=mask4, scale=ctx.scale
-            )
+        def backward_part(grad4, q4, k4, v4, out4, lse4, mask4):
+            return flash_backward(grad4, q4, k4, v4, out4, lse4, mask4, ctx.scale)
 
         grads = []
         for i, ((transposed, groups, per_group), mask) in enumerate(zip(ctx.layouts, ctx.masks, strict=True)):
             merged_part = [from_tokens(x, transposed, groups, per_group) for x in (grad_merged, merged, total)]
             q, k, v = tensors[3 * i : 3 * i + 3]
-            grads += _per_batch(flash_backward, mask, merged_part[0], q, k, v, merged_part[1], merged_part[2])
+            grads += _per_batch(backward_part, mask, merged_part[0], q, k, v, merged_part[1], merged_part[2])
         return (None, None, None, *grads)
 
 
