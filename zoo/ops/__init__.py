@@ -12,9 +12,10 @@ from zoo.ops.blocked import (
 from zoo.ops.dense import allowed_mask, expand_kv, pad_to_multiple, safe_softmax, softmax_attention
 from zoo.ops.gathered import gathered_attention
 from zoo.ops.prefix import default_chunk_size, linear_attention, linear_attention_flops, linear_attention_reference
-from zoo.ops.union import KeyPart, band_part, union_attention
+from zoo.ops.union import GatheredPart, KeyPart, band_part, union_attention
 
 __all__ = [
+    "GatheredPart",
     "KeyPart",
     "allowed_mask",
     "band_blocks",

@@ -1,15 +1,22 @@
-"""Attention of query blocks over gathered key blocks (BigBird's kernel), chunk by chunk.
+"""Attention of query blocks over gathered key blocks (BigBird's kernel, the sliding-window band), chunk by chunk.
 
 Each entry (a block of Q consecutive queries of one batch row and head) attends to R key blocks named by an
 index. Gathering them all at once materializes R copies of the keys and values (and as much again for their
-gradients) in fresh allocations; on CPU that time goes to page faults rather than to arithmetic. The CPU path
-here works on chunks of entries whose gathered keys fit a small buffer: the forward gathers a chunk, runs the
-flash kernel and keeps only the output and log-sum-exp; the backward gathers the chunk again (recompute, as
-FlashAttention does), runs the flash backward and scatter-adds the key and value gradients. Extra memory is
-O(chunk), not O(n · R · block). Elsewhere (CUDA, dropout, other dtypes): one gather and one SDPA call.
+gradients) in fresh allocations; on CPU that time goes to page faults and cache misses rather than to
+arithmetic. The CPU path here works on chunks of entries whose gathered keys fit a small buffer: the forward
+gathers a chunk (into two buffers reused by every chunk), runs the flash kernel and keeps only the output and
+log-sum-exp; the backward gathers the chunk again (recompute, as FlashAttention does), runs the flash backward
+and scatter-adds the key and value gradients. Extra memory is O(chunk), not O(n · R · block). Elsewhere (CUDA,
+dropout, other dtypes): one gather and one SDPA call.
+
+``allowed`` is a bool tensor broadcastable to (E, Q, R·block) given as (E|1, Q|1, R·block), or a function
+``allowed(start, stop)`` returning that mask for entries [start, stop) (so a mask that is cheap to compute
+never exists whole), or None.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -17,9 +24,11 @@ from zoo.ops.blocked import rows_attention
 from zoo.ops.flash import additive_mask, flash_available, flash_backward, flash_forward
 from zoo.variant import AttentionCall
 
-# Gathered key elements per chunk: 4 MB in fp32, far below glibc's 32 MB mmap threshold, so the chunk buffers are
-# reused from the heap instead of being page-faulted afresh on every call.
+# Gathered key elements per chunk (4 MB in fp32): the chunk's working set stays in cache, and the buffers the
+# flash kernels allocate per chunk stay small enough to be reused from the heap rather than page-faulted afresh.
 GATHER_CHUNK_ELEMENTS = 2**20
+
+Allowed = torch.Tensor | Callable[[int, int], torch.Tensor] | None
 
 
 def gathered_attention(
@@ -27,67 +36,104 @@ def gathered_attention(
     k_blocks: torch.Tensor,
     v_blocks: torch.Tensor,
     index: torch.Tensor,
-    allowed: torch.Tensor | None,
+    allowed: Allowed,
     call: AttentionCall,
 ) -> torch.Tensor:
     """Softmax attention of each query entry over its gathered key blocks. Returns (E, Q, Dv).
 
     q (E, Q, D); k_blocks (Nb, block, D) and v_blocks (Nb, block, Dv): all key blocks, flat; index (E, R) long:
-    the key blocks of each entry; allowed: bool (E|1, Q|1, R·block) or None. A query with no allowed key
-    outputs zeros.
+    the key blocks of each entry. A query with no allowed key outputs zeros.
     """
     dropout = call.dropout if call.training else 0.0
     if flash_available(q, dropout):
         return _ChunkedGatheredFlash.apply(q, k_blocks, v_blocks, index, allowed, call.scaling)
-    keys, values = (x.index_select(0, index.flatten()).view(index.shape[0], 1, -1, x.shape[-1])
-                    for x in (k_blocks, v_blocks))
-    return rows_attention(q[:, None], keys, values, None if allowed is None else allowed[:, None], call)[:, 0]
+    keys, values = gather_all(k_blocks, v_blocks, index)
+    mask = mask_of(allowed, 0, index.shape[0])
+    return rows_attention(q[:, None], keys[:, None], values[:, None], None if mask is None else mask[:, None], call)[
+        :, 0
+    ]
 
 
-def entries_per_chunk(index: torch.Tensor, block: int, dim: int) -> int:
-    return max(1, GATHER_CHUNK_ELEMENTS // (index.shape[1] * block * dim))
+def gather_all(k_blocks: torch.Tensor, v_blocks: torch.Tensor, index: torch.Tensor):
+    """Every entry's keys and values at once: (E, R·block, D) each (the non-chunked paths)."""
+    return (x.index_select(0, index.flatten()).view(index.shape[0], -1, x.shape[-1]) for x in (k_blocks, v_blocks))
 
 
-def _chunk(k_blocks, v_blocks, index, allowed, start: int, stop: int, dtype):
-    """Gathered keys and values (e, 1, R·block, D) of entries [start, stop) and their additive mask."""
+def mask_of(allowed: Allowed, start: int, stop: int) -> torch.Tensor | None:
+    """The bool mask (e|1, Q|1, K) of entries [start, stop)."""
+    if allowed is None or not isinstance(allowed, torch.Tensor):
+        return None if allowed is None else allowed(start, stop)
+    return allowed if allowed.shape[0] == 1 else allowed[start:stop]
+
+
+def gathered_forward(q, k_blocks, v_blocks, index, allowed: Allowed, scale: float, empty_lse: float = 0.0):
+    """Chunked flash forward: (out (E, Q, Dv), lse (E, Q)); rows without any allowed key get ``empty_lse``."""
+    outs, lses, buffers = [], [], {}
+    for start, stop in _chunks(q, index, k_blocks):
+        keys, values, mask = _chunk(k_blocks, v_blocks, index, allowed, start, stop, q.dtype, buffers)
+        out, lse = flash_forward(q[start:stop, None], keys, values, mask, scale)
+        lse = lse[:, 0]
+        if mask is not None and empty_lse != 0.0:
+            lse = lse.masked_fill((mask[:, 0] == float("-inf")).all(-1), empty_lse)
+        outs.append(out[:, 0])
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def gathered_backward(grad_out, q, k_blocks, v_blocks, index, allowed: Allowed, out, lse, scale: float):
+    """Chunked flash backward given the (possibly merged) output and log-sum-exp: grads of (q, k_blocks, v_blocks)."""
+    grad_out = grad_out.contiguous()
+    grad_q = torch.empty_like(q)
+    grad_k, grad_v = torch.zeros_like(k_blocks), torch.zeros_like(v_blocks)
+    buffers = {}
+    for start, stop in _chunks(q, index, k_blocks):
+        keys, values, mask = _chunk(k_blocks, v_blocks, index, allowed, start, stop, q.dtype, buffers)
+        rows = slice(start, stop)
+        gq, gk, gv = flash_backward(grad_out[rows, None], q[rows, None], keys, values, out[rows, None],
+                                    lse[rows, None], mask, scale)
+        grad_q[rows] = gq[:, 0]
+        flat = index[rows].flatten()
+        grad_k.index_add_(0, flat, gk.reshape(-1, *k_blocks.shape[1:]))
+        grad_v.index_add_(0, flat, gv.reshape(-1, *v_blocks.shape[1:]))
+    return grad_q, grad_k, grad_v
+
+
+def _chunks(q: torch.Tensor, index: torch.Tensor, k_blocks: torch.Tensor):
+    """Entry ranges whose gathered keys, and whose (Q x K) mask, hold at most GATHER_CHUNK_ELEMENTS each."""
+    keys = index.shape[1] * k_blocks.shape[1]
+    step = max(1, GATHER_CHUNK_ELEMENTS // (keys * max(k_blocks.shape[2], q.shape[1])))
+    return ((start, min(start + step, index.shape[0])) for start in range(0, index.shape[0], step))
+
+
+def _chunk(k_blocks, v_blocks, index, allowed: Allowed, start: int, stop: int, dtype, buffers: dict):
+    """Gathered keys and values (e, 1, R·block, D) of entries [start, stop) and their additive mask.
+
+    The gathers write into two buffers reused by every chunk of a call (``buffers``), not fresh allocations.
+    """
     rows = index[start:stop].flatten()
-    keys, values = (x.index_select(0, rows).view(stop - start, 1, -1, x.shape[-1]) for x in (k_blocks, v_blocks))
-    mask = None
-    if allowed is not None:
-        mask = additive_mask(allowed if allowed.shape[0] == 1 else allowed[start:stop], dtype)[:, None]
-    return keys, values, mask
+    gathered = []
+    for name, x in (("keys", k_blocks), ("values", v_blocks)):
+        shape = (rows.numel(), *x.shape[1:])
+        buffer = buffers.get(name)
+        if buffer is None or buffer.numel() < x[:1].numel() * rows.numel():
+            buffer = buffers[name] = x.new_empty(shape)
+        out = buffer.view(-1)[: x[:1].numel() * rows.numel()].view(shape)
+        torch.index_select(x, 0, rows, out=out)
+        gathered.append(out.view(stop - start, 1, -1, x.shape[-1]))
+    mask = mask_of(allowed, start, stop)
+    return *gathered, None if mask is None else additive_mask(mask, dtype)[:, None]
 
 
 class _ChunkedGatheredFlash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_blocks, v_blocks, index, allowed, scale):
-        step = entries_per_chunk(index, k_blocks.shape[1], k_blocks.shape[2])
-        outs, lses = [], []
-        for start in range(0, index.shape[0], step):
-            stop = min(start + step, index.shape[0])
-            keys, values, mask = _chunk(k_blocks, v_blocks, index, allowed, start, stop, q.dtype)
-            out, lse = flash_forward(q[start:stop, None], keys, values, mask, scale)
-            outs.append(out[:, 0])
-            lses.append(lse[:, 0])
-        out, lse = torch.cat(outs), torch.cat(lses)
-        ctx.scale, ctx.step = scale, step
-        ctx.save_for_backward(q, k_blocks, v_blocks, index, allowed, out, lse)
+        out, lse = gathered_forward(q, k_blocks, v_blocks, index, allowed, scale)
+        ctx.scale, ctx.allowed = scale, allowed
+        ctx.save_for_backward(q, k_blocks, v_blocks, index, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k_blocks, v_blocks, index, allowed, out, lse = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        grad_q = torch.empty_like(q)
-        grad_k, grad_v = torch.zeros_like(k_blocks), torch.zeros_like(v_blocks)
-        for start in range(0, index.shape[0], ctx.step):
-            stop = min(start + ctx.step, index.shape[0])
-            keys, values, mask = _chunk(k_blocks, v_blocks, index, allowed, start, stop, q.dtype)
-            rows = slice(start, stop)
-            gq, gk, gv = flash_backward(grad_out[rows, None], q[rows, None], keys, values, out[rows, None],
-                                        lse[rows, None], mask, ctx.scale)
-            grad_q[rows] = gq[:, 0]
-            flat = index[rows].flatten()
-            grad_k.index_add_(0, flat, gk.reshape(-1, *k_blocks.shape[1:]))
-            grad_v.index_add_(0, flat, gv.reshape(-1, *v_blocks.shape[1:]))
-        return grad_q, grad_k, grad_v, None, None, None
+        q, k_blocks, v_blocks, index, out, lse = ctx.saved_tensors
+        grads = gathered_backward(grad_out, q, k_blocks, v_blocks, index, ctx.allowed, out, lse, ctx.scale)
+        return (*grads, None, None, None)

@@ -3,8 +3,10 @@
 Some sparse patterns are the union of two structures that do not fit one blocked key set: e.g. a local band
 (consecutive queries share keys) and a strided set (queries of one residue class mod l share keys). Each
 part lays the same n queries out in its own groups -- ``(B, H, G, Q, D)``, token ``g·Q + s`` at ``[g, s]``,
-or ``s·G + g`` when ``transposed`` -- with keys ``(B, H, G, K, D)`` (views: band views, expanded columns) and a
-bool ``allowed`` mask broadcastable to ``(B, 1, G, Q, K)``. Parts must not share a (query, key) pair.
+or ``s·G + g`` when ``transposed`` -- with keys ``(B, H, G, K, D)`` (views: residue columns, expanded summaries)
+and a bool ``allowed`` mask broadcastable to ``(B, 1, G, Q, K)`` (:class:`KeyPart`), or as entries over
+gathered key blocks (:class:`GatheredPart`, e.g. the band of :func:`band_part`: computed in chunks by
+:mod:`zoo.ops.gathered`). Parts must not share a (query, key) pair.
 
 On CPU without dropout each part runs the flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``,
 what ``scaled_dot_product_attention`` uses for 4-D inputs) and the parts merge through their log-sum-exps,
@@ -22,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from zoo.ops.blocked import band_blocks, band_positions, split_blocks
 from zoo.ops.flash import additive_mask, flash_available, flash_backward, flash_forward
+from zoo.ops.gathered import Allowed, gather_all, gathered_backward, gathered_forward, mask_of
 from zoo.variant import AttentionCall
 
 
@@ -39,34 +41,70 @@ class KeyPart:
     transposed: bool = False
 
 
-def band_part(q, k, v, key_real: torch.Tensor, width: int, causal: bool, block: int) -> KeyPart:
+@dataclass
+class GatheredPart:
+    """A key set given as gathered key blocks (see :func:`zoo.ops.gathered_attention`): entries ``q`` (E, Q, D)
+    ordered (batch, head, group), token ``g·Q + s`` at entry g, row s; ``k_blocks``/``v_blocks`` (Nb, block, D);
+    ``index`` (E, R); ``allowed`` a mask (E|1, Q|1, R·block) or a function of an entry range."""
+
+    q: torch.Tensor
+    k_blocks: torch.Tensor
+    v_blocks: torch.Tensor
+    index: torch.Tensor
+    allowed: Allowed
+    batch_heads: tuple[int, int]
+
+    def as_key_part(self) -> KeyPart:
+        """All entries' keys gathered at once, as a :class:`KeyPart` (the materialized path)."""
+        b, h = self.batch_heads
+        keys, values = (x.view(b, h, -1, *x.shape[1:]) for x in gather_all(self.k_blocks, self.v_blocks, self.index))
+        allowed = mask_of(self.allowed, 0, self.index.shape[0])
+        allowed = allowed.view(1, 1, 1, *allowed.shape[1:]) if allowed.shape[0] == 1 else allowed.view(b, h, -1,
+                                                                                                      *allowed.shape[1:])
+        return KeyPart(self.q.view(b, h, -1, *self.q.shape[1:]), keys, values, allowed)
+
+
+def band_part(q, k, v, key_real: torch.Tensor, width: int, causal: bool, block: int) -> GatheredPart:
     """Sliding window as a part: query i sees key j when ``|i − j| < width`` (causal: ``0 ≤ i − j < width``).
 
-    q/k/v (B, H, n, D) with n a multiple of ``block``; ``key_real`` (B|1, n) bool, False for padding. Query
-    blocks of ``block`` see a band view of ``width − 1`` keys (rounded up to blocks) on each side.
+    q/k/v (B, H, n, D) with n a multiple of ``block``; ``key_real`` (B|1, n) bool, False for padding. Each query
+    block gathers the key blocks within ``width − 1`` positions on each side; the mask of an entry range is
+    computed when that range runs, never for the whole sequence.
     """
-    n = q.shape[-2]
-    reach = math.ceil((width - 1) / block) * block
-    after = 0 if causal else reach
-    positions = band_positions(n // block, block, reach, after, device=q.device)  # (G, K)
-    offset = torch.arange(n, device=q.device).view(-1, block, 1) - positions[:, None, :]  # i - j: (G, block, K)
+    batch, heads, n, dim = q.shape
+    groups = n // block
+    reach = math.ceil((width - 1) / block)
+    relative = torch.arange(-reach, 1 if causal else reach + 1, device=q.device)  # key blocks around a query block
+    within = torch.arange(block, device=q.device)
+
+    def key_blocks(entries: torch.Tensor) -> torch.Tensor:  # unclamped key block numbers (e, R)
+        return (entries % groups)[:, None] + relative[None, :]
+
+    # Key offset from the query inside a block row is the same for every query block: one (Q, K) band mask.
+    offset = within[:, None] - (relative[:, None] * block + within).flatten()[None, :]
     in_band = (offset < width) & ((offset >= 0) if causal else (offset > -width))
-    band_real = F.pad(key_real, (reach, after), value=False)[:, positions + reach]  # (B|1, G, K)
-    return KeyPart(
-        split_blocks(q, block), band_blocks(k, block, reach, after), band_blocks(v, block, reach, after),
-        in_band[None, None] & band_real[:, None, :, None, :],
-    )
+
+    def allowed(start: int, stop: int) -> torch.Tensor:
+        entries = torch.arange(start, stop, device=q.device)
+        key_pos = (key_blocks(entries)[..., None] * block + within).flatten(1)  # (e, K)
+        rows = (entries // (groups * heads)) if key_real.shape[0] > 1 else torch.zeros_like(entries)
+        real = key_real[rows[:, None], key_pos.clamp(0, n - 1)] & (key_pos >= 0) & (key_pos < n)
+        return in_band[None] if bool(real.all()) else in_band[None] & real[:, None, :]
+
+    entries = torch.arange(batch * heads * groups, device=q.device)
+    index = key_blocks(entries).clamp(0, groups - 1) + (entries // groups * groups)[:, None]
+    flat = (x.reshape(batch * heads * groups, block, x.shape[-1]) for x in (q, k, v))
+    return GatheredPart(*flat, index, allowed, (batch, heads))
 
 
-def union_attention(parts: list[KeyPart], call: AttentionCall) -> torch.Tensor:
+def union_attention(parts: list[KeyPart | GatheredPart], call: AttentionCall) -> torch.Tensor:
     """(B, H, n, D): softmax attention of every query over the union of its parts' allowed keys."""
     dropout = call.dropout if call.training else 0.0
-    q = parts[0].q
-    if flash_available(q, dropout):
-        layouts = tuple((part.transposed, part.q.shape[2], part.q.shape[3]) for part in parts)
-        masks = tuple(additive_mask(part.allowed, q.dtype) for part in parts)
-        tensors = [x for part in parts for x in (part.q, part.k, part.v)]
-        return _FlashUnion.apply(call.scaling, layouts, masks, *tensors)
+    if flash_available(parts[0].q, dropout):
+        specs = tuple(_spec(part) for part in parts)
+        tensors = [x for part in parts for x in _tensors(part)]
+        return _FlashUnion.apply(call.scaling, specs, *tensors)
+    parts = [part.as_key_part() if isinstance(part, GatheredPart) else part for part in parts]
     return _materialized_union(parts, call.scaling, dropout)
 
 
@@ -102,39 +140,73 @@ def _per_batch(fn, mask: torch.Tensor, *tensors: torch.Tensor):
     return [torch.stack(column) for column in zip(*rows, strict=True)]
 
 
+def _tensors(part) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (part.q, part.k_blocks, part.v_blocks) if isinstance(part, GatheredPart) else (part.q, part.k, part.v)
+
+
+def _spec(part):
+    if isinstance(part, GatheredPart):
+        return _GatheredSpec(part.index, part.allowed, part.batch_heads)
+    return _ViewSpec(part.transposed, part.q.shape[2], part.q.shape[3], additive_mask(part.allowed, part.q.dtype))
+
+
+@dataclass
+class _ViewSpec:
+    """A :class:`KeyPart`: one flash call over its views (per batch row when the mask has one)."""
+
+    transposed: bool
+    groups: int
+    per_group: int
+    mask: torch.Tensor
+
+    def forward(self, q, k, v, scale):
+        out, lse = _per_batch(lambda *x: flash_forward(*x, scale), self.mask, q, k, v)
+        empty = (self.mask == float("-inf")).all(-1)  # the kernel reports lse 0 for a fully masked row
+        return to_tokens(out, self.transposed), to_tokens(lse.masked_fill(empty, float("-inf")), self.transposed)
+
+    def backward(self, grad, merged, total, q, k, v, scale):
+        grad, merged, total = (from_tokens(x, self.transposed, self.groups, self.per_group)
+                               for x in (grad, merged, total))
+        return _per_batch(lambda *x: flash_backward(*x, scale), self.mask, grad, q, k, v, merged, total)
+
+
+@dataclass
+class _GatheredSpec:
+    """A :class:`GatheredPart`: chunked gathered flash calls (:mod:`zoo.ops.gathered`)."""
+
+    index: torch.Tensor
+    allowed: Allowed
+    batch_heads: tuple[int, int]
+
+    def forward(self, q, k_blocks, v_blocks, scale):
+        out, lse = gathered_forward(q, k_blocks, v_blocks, self.index, self.allowed, scale, float("-inf"))
+        return out.view(*self.batch_heads, -1, out.shape[-1]), lse.view(*self.batch_heads, -1)
+
+    def backward(self, grad, merged, total, q, k_blocks, v_blocks, scale):
+        grad, merged = (x.reshape(*q.shape[:2], x.shape[-1]) for x in (grad, merged))
+        total = total.reshape(q.shape[:2])
+        return gathered_backward(grad, q, k_blocks, v_blocks, self.index, self.allowed, merged, total, scale)
+
+
 class _FlashUnion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, scale, layouts, masks, *tensors):
-        def flash(q4, k4, v4, mask4):
-            return flash_forward(q4, k4, v4, mask4, scale)
-
-        outs, lses = [], []
-        for i, ((transposed, _, _), mask) in enumerate(zip(layouts, masks, strict=True)):
-            q, k, v = tensors[3 * i : 3 * i + 3]
-            out, lse = _per_batch(flash, mask, q, k, v)
-            empty = (mask == float("-inf")).all(-1)  # the kernel reports lse 0 for a fully masked row
-            outs.append(to_tokens(out, transposed))
-            lses.append(to_tokens(lse.masked_fill(empty, float("-inf")), transposed))
+    def forward(ctx, scale, specs, *tensors):
+        outs, lses = zip(*(spec.forward(*tensors[3 * i : 3 * i + 3], scale) for i, spec in enumerate(specs)),
+                         strict=True)
         total = torch.logsumexp(torch.stack(lses), 0)
         total = total.masked_fill(torch.isinf(total), 0.0)  # no key at all: zeros out, zero gradients
         merged = sum(out * torch.exp(lse - total)[..., None].to(out.dtype) for out, lse in zip(outs, lses, strict=True))
-        ctx.scale, ctx.layouts, ctx.masks = scale, layouts, masks
+        ctx.scale, ctx.specs = scale, specs
         ctx.save_for_backward(merged, total, *tensors)
         return merged
 
     @staticmethod
     def backward(ctx, grad_merged):
         merged, total, *tensors = ctx.saved_tensors
-
-        def backward_part(grad4, q4, k4, v4, out4, lse4, mask4):
-            return flash_backward(grad4, q4, k4, v4, out4, lse4, mask4, ctx.scale)
-
         grads = []
-        for i, ((transposed, groups, per_group), mask) in enumerate(zip(ctx.layouts, ctx.masks, strict=True)):
-            merged_part = [from_tokens(x, transposed, groups, per_group) for x in (grad_merged, merged, total)]
-            q, k, v = tensors[3 * i : 3 * i + 3]
-            grads += _per_batch(backward_part, mask, merged_part[0], q, k, v, merged_part[1], merged_part[2])
-        return (None, None, None, *grads)
+        for i, spec in enumerate(ctx.specs):
+            grads += spec.backward(grad_merged, merged, total, *tensors[3 * i : 3 * i + 3], ctx.scale)
+        return (None, None, *grads)
 
 
 # -------------------------------------------------------------------------------------------------------
