@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from zoo.ops import (
     allowed_mask,
     default_chunk_size,
+    in_head_groups,
     linear_attention,
     linear_attention_flops,
     linear_attention_reference,
@@ -46,9 +47,11 @@ class LinearAttention(Variant):
     test_params = {"chunk_size": 16}  # several chunks at the contract suite's n = 64-200
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
-        return linear_attention(
-            elu_features(q), elu_features(k), v, call.causal, call.padding_mask, self.chunk_for(q.shape[-1])
-        )
+        def heads(q, k, v):
+            chunk = self.chunk_for(q.shape[-1])
+            return linear_attention(elu_features(q), elu_features(k), v, call.causal, call.padding_mask, chunk)
+
+        return in_head_groups(heads, q, k, v)
 
     def reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         """The same attention in O(n²): the dense φ(q)φ(k)ᵀ under causality and padding (tests only)."""

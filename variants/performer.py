@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from zoo.ops import default_chunk_size, linear_attention, linear_attention_flops
+from zoo.ops import default_chunk_size, in_head_groups, linear_attention, linear_attention_flops
 from zoo.variant import AttentionCall, Param, Variant
 
 RELU_EPSILON = 1e-3  # keeps every relu feature vector non-zero (as in the reference implementation)
@@ -54,12 +54,16 @@ class PerformerAttention(Variant):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
         draw = self.draw_index(call)
-        with torch.autocast(device_type=q.device.type, enabled=False):  # fp16 features overflow: stay in fp32
-            w = self.projection(call.layer_idx, draw, q.shape[-1], q.device, compute)
-            w = w * math.sqrt(call.scaling)  # softmax kernel exp(q·k·s) = exp(q'·k'), q' = √s·q
-            q_features = self.query_features(q.to(compute), w)
-            k_features = self.key_features(k.to(compute), w, call.scaling, call.padding_mask)
-        return linear_attention(q_features, k_features, v, call.causal, call.padding_mask)
+        w = self.projection(call.layer_idx, draw, q.shape[-1], q.device, compute)
+        w = w * math.sqrt(call.scaling)  # softmax kernel exp(q·k·s) = exp(q'·k'), q' = √s·q
+
+        def heads(q, k, v):  # the key shift is per (batch, head), so head groups change nothing
+            with torch.autocast(device_type=q.device.type, enabled=False):  # fp16 features overflow: stay in fp32
+                q_features = self.query_features(q.to(compute), w)
+                k_features = self.key_features(k.to(compute), w, call.scaling, call.padding_mask)
+            return linear_attention(q_features, k_features, v, call.causal, call.padding_mask)
+
+        return in_head_groups(heads, q, k, v)
 
     def flops(self, n: int, heads: int, head_dim: int, causal: bool = False) -> float:
         m = self.nb_features

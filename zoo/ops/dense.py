@@ -95,3 +95,21 @@ def pad_to_multiple(x: torch.Tensor, multiple: int, dim: int = -2, value: float 
     dim = dim % x.dim()
     pad = [0, 0] * (x.dim() - 1 - dim) + [0, extra]
     return F.pad(x, pad, value=value)
+
+
+HEAD_GROUP_ELEMENTS = 2**21  # per tensor and head group in :func:`in_head_groups` (8 MB in fp32)
+
+
+def in_head_groups(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``fn(q, k, v)`` -> (B, H, Nq, Dv) run on groups of heads holding at most HEAD_GROUP_ELEMENTS per tensor.
+
+    For kernels made of many element-wise passes (feature maps, normalization): on tensors that fit the cache
+    those passes cost a fraction of what they cost streaming whole-sequence tensors through memory. ``split``
+    (not slicing) keeps the backward to one concatenation per input.
+    """
+    per_head = q.shape[0] * max(q.shape[-2] * q.shape[-1], k.shape[-2] * max(k.shape[-1], v.shape[-1]))
+    step = max(1, HEAD_GROUP_ELEMENTS // per_head)
+    if step >= q.shape[1]:
+        return fn(q, k, v)
+    groups = zip(q.split(step, dim=1), k.split(step, dim=1), v.split(step, dim=1), strict=True)
+    return torch.cat([fn(*group) for group in groups], dim=1)
