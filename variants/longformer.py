@@ -21,13 +21,14 @@ layer's own q/k/v projections, not separate ``query_global``/``key_global``/``va
 attention interface hands the kernel one set of q/k/v). The output equals transformers' module when its
 global projections are set equal to the local ones.
 
-Kernel: queries in blocks; each block attends, in one batched SDPA call, to a strided view of the band
-around it plus the global keys appended to every block (global keys are masked inside the band so they
-count once); global query rows then attend to all keys (``rows_attention``) and overwrite their rows.
-O(n·(window + globals)) time and memory. Inputs are padded only to a block multiple (a short input is
-one block of its own length, never padded up to the window). Dilation regroups the sequence into
-``dilation`` interleaved lanes, in which the dilated window is a contiguous one (one gather); dilation 1
-is the copy-free fast path.
+Kernel: queries in blocks; each block attends to the key blocks of the band around it
+(:func:`zoo.ops.band_part`: gathered and computed chunk by chunk on CPU, global keys masked inside the band so
+they count once) and to the global keys (one part shared by every block), merged into one softmax by
+:func:`zoo.ops.union_attention`; global query rows then attend to all keys (``rows_attention``) and overwrite
+their rows. O(n·(window + globals)) time, O(n·d) memory on CPU. Inputs are padded only to a block multiple
+(a short input is one block of its own length, never padded up to the window). Dilation regroups the
+sequence into ``dilation`` interleaved lanes, in which the dilated window is a contiguous one (one gather);
+dilation 1 is the copy-free fast path.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from zoo.ops import band_blocks, band_positions, blocked_attention, rows_attention, split_blocks
+from zoo.ops import KeyPart, band_part, rows_attention, split_blocks, union_attention
 from zoo.variant import AttentionCall, Param, Variant
 
 MAX_BLOCK = 128  # queries per block at the default window; tuned on CPU (64..256 run close)
@@ -51,7 +52,7 @@ class LongformerAttention(Variant):
     supports_bidirectional = True
     supports_dropout = True
     time_complexity = "O(n·w)"
-    memory_complexity = "O(n·w)"
+    memory_complexity = "O(n·d) on CPU, else O(n·w)"
     params = {
         "window": Param(
             512, int, "attended span: window // 2 tokens on each side (causal: to the left)", min=2, per_layer=True
@@ -228,41 +229,18 @@ def _from_lanes(x: torch.Tensor, dim: int, dilation: int) -> torch.Tensor:
     return x.unflatten(0, (-1, dilation)).movedim(1, dim + 1).flatten(dim, dim + 1)
 
 
-def _band_allowed(band_ok: torch.Tensor, half: int, block: int, before: int, after: int, causal: bool):
-    """(B, G, block, K) bool: the window (same offsets in every block) and the keys the band may use."""
-    offsets = (
-        band_positions(1, block, before, after, band_ok.device)[0][None, :]
-        - torch.arange(block, device=band_ok.device)[:, None]
-    )  # key position - query position, (block, K)
-    in_window = (offsets >= -half) & (offsets <= (0 if causal else half))
-    keys_ok = band_blocks(band_ok[:, None, :, None], block, before, after)  # (B, 1, G, K, 1)
-    return in_window & keys_ok[:, 0, :, None, :, 0]
-
-
 def _banded(q, k, v, band_ok, half, block, call, extra) -> torch.Tensor:
-    """The blocked kernel on a block-multiple length. Layout (B*G, H, block, D): the mask broadcasts over heads."""
+    """The window (:func:`zoo.ops.band_part`: gathered key blocks, computed chunk by chunk) and the global keys
+    (``extra``, one part shared by every query block) merged into one softmax by :func:`zoo.ops.union_attention`.
+    q/k/v (B, H, n, D) with n a block multiple."""
     batch, heads, n, head_dim = q.shape
-    _, blocks, before, after = _geometry(half, n, call.causal)
-    allowed = _band_allowed(band_ok, half, block, before, after, call.causal)
-    q_blocks = split_blocks(q, block).transpose(1, 2).reshape(batch * blocks, heads, block, head_dim)
-    k_band, v_band = (band_blocks(x, block, before, after).transpose(1, 2) for x in (k, v))  # (B, G, H, K, D)
+    parts = [band_part(q, k, v, band_ok, half + 1, call.causal, block)]  # |i − j| ≤ half (causal: 0 ≤ i − j ≤ half)
     if extra is not None:
         extra_k, extra_v, extra_ok = extra
-        count = extra_k.shape[-2]
-        k_band, v_band = (
-            torch.cat([band, x[:, None].expand(batch, blocks, heads, count, head_dim)], dim=3)
-            for band, x in ((k_band, extra_k), (v_band, extra_v))
-        )
-        allowed = torch.cat([allowed, extra_ok.view(batch, blocks, block, count)], dim=-1)
-    keys = k_band.shape[3]
-    out = blocked_attention(
-        q_blocks,
-        k_band.reshape(batch * blocks, heads, keys, head_dim),
-        v_band.reshape(batch * blocks, heads, keys, head_dim),
-        allowed.view(batch * blocks, 1, block, keys),
-        call,
-    )
-    return out.view(batch, blocks, heads, block, head_dim).transpose(1, 2).reshape(batch, heads, n, head_dim)
+        groups, count = n // block, extra_k.shape[-2]
+        shared = (x[:, :, None].expand(batch, heads, groups, count, x.shape[-1]) for x in (extra_k, extra_v))
+        parts.append(KeyPart(split_blocks(q, block), *shared, extra_ok.reshape(batch, 1, groups, block, count)))
+    return union_attention(parts, call)
 
 
 def _global_keys(k, v, is_global, causal, start):

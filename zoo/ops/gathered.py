@@ -113,11 +113,10 @@ def _chunk(k_blocks, v_blocks, index, allowed: Allowed, start: int, stop: int, d
     rows = index[start:stop].flatten()
     gathered = []
     for name, x in (("keys", k_blocks), ("values", v_blocks)):
-        shape = (rows.numel(), *x.shape[1:])
         buffer = buffers.get(name)
-        if buffer is None or buffer.numel() < x[:1].numel() * rows.numel():
-            buffer = buffers[name] = x.new_empty(shape)
-        out = buffer.view(-1)[: x[:1].numel() * rows.numel()].view(shape)
+        if buffer is None or buffer.shape[0] < rows.numel():  # the first chunk is the largest
+            buffer = buffers[name] = x.new_empty(rows.numel(), *x.shape[1:])
+        out = buffer[: rows.numel()]
         torch.index_select(x, 0, rows, out=out)
         gathered.append(out.view(stop - start, 1, -1, x.shape[-1]))
     mask = mask_of(allowed, start, stop)

@@ -73,7 +73,7 @@ def band_part(q, k, v, key_real: torch.Tensor, width: int, causal: bool, block: 
     """
     batch, heads, n, dim = q.shape
     groups = n // block
-    reach = math.ceil((width - 1) / block)
+    reach = min(math.ceil((width - 1) / block), groups - 1)  # key blocks on each side, never past the sequence
     relative = torch.arange(-reach, 1 if causal else reach + 1, device=q.device)  # key blocks around a query block
     within = torch.arange(block, device=q.device)
 
