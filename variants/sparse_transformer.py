@@ -19,8 +19,8 @@ kernel call per part, combined through their log-sum-exps; the parts never share
   its n/l keys, minus the diagonal j = i, the only pair the band already holds. O(n·(2l + n/l)): O(n·√n) at
   l ≈ √n.
 * ``fixed``: query blocks of l; part 1 is the own block (a view), part 2 the summary columns of the other
-  blocks (earlier ones when causal), gathered once and broadcast to every block (an expanded view, no copy).
-  O(n·(l + c·n/l)).
+  blocks (earlier ones when causal): the last c tokens of every block, copied out once and gathered by the
+  query blocks chunk by chunk (:class:`zoo.ops.GatheredPart`). O(n·(l + c·n/l)) time, O(n·d) memory on CPU.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import math
 import torch
 
 from zoo.ops import (
+    GatheredPart,
     KeyPart,
     band_part,
     blocked_attention,
@@ -169,11 +170,15 @@ def _strided_parts(q, k, v, key_real, causal: bool, stride: int) -> list[KeyPart
     return [local, columns]
 
 
-def _fixed_parts(q, k, v, key_real, causal: bool, stride: int, summary: int) -> list[KeyPart]:
-    """Own block (a view) and the summary columns of the other blocks (earlier ones when causal)."""
-    blocks = q.shape[-2] // stride
-    block_idx = torch.arange(blocks, device=q.device)
-    columns = (block_idx[:, None] * stride + torch.arange(stride - summary, stride, device=q.device)).flatten()
+def _fixed_parts(q, k, v, key_real, causal: bool, stride: int, summary: int) -> list:
+    """Own block (a view) and the summary columns of the other blocks (earlier ones when causal).
+
+    The summary columns are the last ``summary`` tokens of every block: copied out once (n·c/l rows per head)
+    as key blocks of c tokens that every query block gathers, chunk by chunk (a :class:`GatheredPart`), so no
+    per-query-block copy of all summaries, nor its gradient, ever exists whole.
+    """
+    batch, heads, n, dim = q.shape
+    blocks = n // stride
     within = torch.ones(stride, stride, dtype=torch.bool, device=q.device)
     if causal:
         within = within.tril()
@@ -181,14 +186,21 @@ def _fixed_parts(q, k, v, key_real, causal: bool, stride: int, summary: int) -> 
         split_blocks(q, stride), split_blocks(k, stride), split_blocks(v, stride),
         within & split_blocks(key_real[:, None, :, None], stride).transpose(-1, -2),  # (B|1, 1, G, l, l)
     )
-    column_block = columns // stride
-    other = (column_block[None, :] < block_idx[:, None]) if causal else (column_block[None, :] != block_idx[:, None])
-    shared = (k[:, :, columns], v[:, :, columns])
-    summaries = KeyPart(
-        split_blocks(q, stride), *(x[:, :, None].expand(-1, -1, blocks, -1, -1) for x in shared),
-        (other & key_real[:, None, columns])[:, None, :, None, :],  # (B|1, 1, G, 1, C)
-    )
-    return [own, summaries]
+    tails = [split_blocks(x, stride)[:, :, :, stride - summary :].reshape(-1, summary, x.shape[-1]) for x in (k, v)]
+    tail_real = key_real.view(key_real.shape[0], blocks, stride)[:, :, stride - summary :]  # (B|1, G, c)
+    column_block = torch.arange(blocks, device=q.device)[None, :]
+
+    def allowed(start: int, stop: int) -> torch.Tensor:
+        entries = torch.arange(start, stop, device=q.device)
+        own_block = (entries % blocks)[:, None]
+        other = (column_block < own_block) if causal else (column_block != own_block)  # (e, G)
+        rows = entries // (blocks * heads) if tail_real.shape[0] > 1 else torch.zeros_like(entries)
+        return (other[:, :, None] & tail_real[rows]).view(stop - start, 1, blocks * summary)
+
+    entries = torch.arange(batch * heads * blocks, device=q.device)
+    index = (entries // blocks * blocks)[:, None] + column_block  # every block of the entry's (batch, head)
+    queries = q.reshape(batch * heads * blocks, stride, dim)
+    return [own, GatheredPart(queries, *tails, index, allowed, (batch, heads))]
 
 
 def _to_residue_rows(x: torch.Tensor, stride: int) -> torch.Tensor:

@@ -118,12 +118,14 @@ def test_flash_path_equals_the_reference(pattern, causal, n, kind):
     assert_same_output_and_gradients(variant, q, k, v, make_call(causal, padding(kind, 3, n)), atol=1e-5)
 
 
+@pytest.mark.parametrize("pattern", ["strided", "fixed"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("chunk", [1, 300])
-def test_band_in_small_chunks_equals_the_reference(causal, chunk, monkeypatch):
-    """The strided band runs chunk by chunk (zoo.ops.gathered): one query block per chunk, or a few."""
+def test_gathered_parts_in_small_chunks_equal_the_reference(pattern, causal, chunk, monkeypatch):
+    """The strided band and the fixed summaries run chunk by chunk (zoo.ops.gathered): one query block per
+    chunk, or a few."""
     monkeypatch.setattr("zoo.ops.gathered.GATHER_CHUNK_ELEMENTS", chunk)
-    variant = SparseTransformerAttention(stride=8)
+    variant = SparseTransformerAttention(pattern=pattern, stride=8, num_summary=3)
     q, k, v = qkv(3, 77)
     assert_same_output_and_gradients(variant, q, k, v, make_call(causal, padding("holes", 3, 77)), atol=1e-5)
 
