@@ -1,11 +1,10 @@
-"""Shared attention kernels and helpers for variants: GQA expansion, masks, softmax attention, blocked
-gathers (``zoo.ops.blocked``) and chunked prefix sums (``zoo.ops.prefix``)."""
+"""Shared attention kernels and helpers for variants: GQA expansion, masks, softmax attention, blocked attention
+(``zoo.ops.blocked``), chunked gathered-block attention (``zoo.ops.gathered``), unions of key sets merged into
+one softmax (``zoo.ops.union``), the CPU flash wrappers (``zoo.ops.flash``) and chunked prefix sums
+(``zoo.ops.prefix``)."""
 
 from zoo.ops.blocked import (
-    band_blocks,
-    band_positions,
     blocked_attention,
-    gather_blocks,
     rows_attention,
     split_blocks,
 )
@@ -18,13 +17,10 @@ __all__ = [
     "GatheredPart",
     "KeyPart",
     "allowed_mask",
-    "band_blocks",
     "band_part",
-    "band_positions",
     "blocked_attention",
     "default_chunk_size",
     "expand_kv",
-    "gather_blocks",
     "gathered_attention",
     "in_head_groups",
     "linear_attention",

@@ -1,8 +1,7 @@
-"""Blocked building blocks for sparse variants (Longformer, BigBird, Sparse Transformer).
-
-Queries are cut into blocks; each query block attends to a small set of keys (a band around it, or
-gathered key blocks) through one batched ``scaled_dot_product_attention`` call with a broadcast mask.
-Cost O(n · keys_per_block · d); nothing of size n x n is built.
+"""Blocked building blocks for sparse variants: query blocks (views), blocks of queries over their own key
+sets in one batched ``scaled_dot_product_attention`` call with a broadcast mask, and selected query rows over
+all keys (global tokens). Cost O(n · keys_per_block · d); nothing of size n x n is built. Key sets gathered
+per block, chunk by chunk, live in :mod:`zoo.ops.gathered`; unions of key sets in :mod:`zoo.ops.union`.
 """
 
 from __future__ import annotations
@@ -17,40 +16,6 @@ def split_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     """(B, H, N, D) with N a multiple of ``block`` -> (B, H, N // block, block, D) (a view)."""
     b, h, n, d = x.shape
     return x.view(b, h, n // block, block, d)
-
-
-def band_blocks(x: torch.Tensor, block: int, before: int, after: int) -> torch.Tensor:
-    """Keys of a band around each query block: (B, H, N, D) -> (B, H, N // block, before + block + after, D).
-
-    Block ``g`` gets positions ``[g*block - before, (g+1)*block + after)``; positions outside [0, N)
-    are zeros and must be masked by the caller (see :func:`band_positions`). ``before`` and ``after``
-    must be multiples of ``block``; the result is a strided view (no copy).
-    """
-    padded = F.pad(x, (0, 0, before, after))
-    return padded.unfold(2, before + block + after, block).transpose(-1, -2)
-
-
-def band_positions(num_blocks: int, block: int, before: int, after: int, device=None) -> torch.Tensor:
-    """Absolute key positions (num_blocks, before + block + after) matching :func:`band_blocks`."""
-    starts = torch.arange(num_blocks, device=device) * block - before
-    return starts[:, None] + torch.arange(before + block + after, device=device)[None, :]
-
-
-def gather_blocks(x: torch.Tensor, block: int, block_index: torch.Tensor) -> torch.Tensor:
-    """Gather whole key blocks per query block.
-
-    x: (B, H, N, D) with N a multiple of ``block`` (any strides); block_index: (H or 1, G, R) long indices of
-    key blocks for each of G query blocks. Returns a contiguous (B, H, G, R * block, D). Uses
-    ``index_select`` of whole blocks (backward: ``index_add_`` of whole blocks), about 2x faster on CPU than
-    an element-wise ``torch.gather``.
-    """
-    b, h, n, d = x.shape
-    num_blocks = n // block
-    _, g, r = block_index.shape
-    flat = x.reshape(b, h * num_blocks, block, d)
-    head_offsets = torch.arange(h, device=block_index.device)[:, None, None] * num_blocks
-    index = (block_index.expand(h, g, r) + head_offsets).reshape(-1)
-    return flat.index_select(1, index).view(b, h, g, r * block, d)
 
 
 def blocked_attention(
