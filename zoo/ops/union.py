@@ -59,8 +59,10 @@ class GatheredPart:
         b, h = self.batch_heads
         keys, values = (x.view(b, h, -1, *x.shape[1:]) for x in gather_all(self.k_blocks, self.v_blocks, self.index))
         allowed = mask_of(self.allowed, 0, self.index.shape[0])
-        allowed = allowed.view(1, 1, 1, *allowed.shape[1:]) if allowed.shape[0] == 1 else allowed.view(b, h, -1,
-                                                                                                      *allowed.shape[1:])
+        if allowed is None:
+            allowed = torch.ones(1, 1, 1, dtype=torch.bool, device=self.q.device)
+        groups = (1, 1, 1) if allowed.shape[0] == 1 else (b, h, -1)  # a shared mask stays shared
+        allowed = allowed.view(*groups, *allowed.shape[1:])
         return KeyPart(self.q.view(b, h, -1, *self.q.shape[1:]), keys, values, allowed)
 
 
@@ -71,7 +73,7 @@ def band_part(q, k, v, key_real: torch.Tensor, width: int, causal: bool, block: 
     block gathers the key blocks within ``width − 1`` positions on each side; the mask of an entry range is
     computed when that range runs, never for the whole sequence.
     """
-    batch, heads, n, dim = q.shape
+    batch, heads, n, _ = q.shape
     groups = n // block
     reach = min(math.ceil((width - 1) / block), groups - 1)  # key blocks on each side, never past the sequence
     relative = torch.arange(-reach, 1 if causal else reach + 1, device=q.device)  # key blocks around a query block
