@@ -49,9 +49,8 @@ def gathered_attention(
         return _ChunkedGatheredFlash.apply(q, k_blocks, v_blocks, index, allowed, call.scaling)
     keys, values = gather_all(k_blocks, v_blocks, index)
     mask = mask_of(allowed, 0, index.shape[0])
-    return rows_attention(q[:, None], keys[:, None], values[:, None], None if mask is None else mask[:, None], call)[
-        :, 0
-    ]
+    mask = None if mask is None else mask[:, None]
+    return rows_attention(q[:, None], keys[:, None], values[:, None], mask, call)[:, 0]
 
 
 def gather_all(k_blocks: torch.Tensor, v_blocks: torch.Tensor, index: torch.Tensor):
