@@ -34,7 +34,7 @@ def test_builtin_variants_come_through_entry_points():
     names = zoo.list_variants()
     assert {"dense", "sdpa"} <= set(names)
     source = registry.variant_source("sdpa")
-    assert source.distribution == "attention-zoo" and "variants.sdpa:SDPAAttention" in source.entry_point
+    assert source.distribution == "attention-zoo" and "zoo.variants.sdpa:SDPAAttention" in source.entry_point
 
 
 def test_plugin_fixture_is_discovered_from_its_own_distribution():

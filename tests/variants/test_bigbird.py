@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import transformers
 
 import zoo
-from variants.bigbird import BigBirdAttention, fixed_blocks, make_layout
+from zoo.variants.bigbird import BigBirdAttention, fixed_blocks, make_layout
 from zoo.contract import LargestAllocation
 from zoo.hf import run_variant
 from zoo.ops import allowed_mask, softmax_attention
@@ -62,7 +62,7 @@ def test_layout_is_deterministic_and_differs_per_layer_seed_and_head():
 
 def test_layout_is_the_same_in_another_process():
     script = (
-        "from variants.bigbird import BigBirdAttention; "
+        "from zoo.variants.bigbird import BigBirdAttention; "
         "l = BigBirdAttention(seed=5).layout(2, 40, 4, False, 'cpu'); print((l.key_blocks * l.valid).tolist())"
     )
     other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import transformers
 
 import zoo
-from variants.linear import LinearAttention
+from zoo.variants.linear import LinearAttention
 from zoo.contract import LargestAllocation
 from zoo.hf import run_variant
 from zoo.ops import linear_attention

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
 
 import zoo
-from variants.longformer import LongformerAttention
+from zoo.variants.longformer import LongformerAttention
 from zoo.hf import run_variant
 from zoo.ops import allowed_mask, softmax_attention
 from zoo.variant import AttentionCall, VariantParameterError

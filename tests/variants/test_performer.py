@@ -14,7 +14,7 @@ import transformers
 from torch.profiler import profile
 
 import zoo
-from variants.performer import PerformerAttention
+from zoo.variants.performer import PerformerAttention
 from zoo.hf import run_variant
 from zoo.ops import allowed_mask, linear_attention_reference, softmax_attention
 from zoo.variant import AttentionCall

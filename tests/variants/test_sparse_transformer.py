@@ -12,7 +12,7 @@ import torch
 import transformers
 
 import zoo
-from variants.sparse_transformer import SparseTransformerAttention
+from zoo.variants.sparse_transformer import SparseTransformerAttention
 from zoo.contract import LargestAllocation
 from zoo.hf import run_variant
 from zoo.ops import allowed_mask, softmax_attention

@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 
-import variants.xformers as xf
+import zoo.variants.xformers as xf
 import zoo
 from zoo.contract import LargestAllocation
 from zoo.hf import run_variant
@@ -98,10 +98,10 @@ def materialized_bias_attention(q, k, v, attn_bias=None, p=0.0, scale=None, call
 def test_cpu_runs_torch_sdpa_with_one_info_log(caplog):
     xf.log_backend_once.cache_clear()
     q, k, v = (x.detach() for x in qkv(3, 40))
-    with caplog.at_level(logging.INFO, logger="variants.xformers"):
+    with caplog.at_level(logging.INFO, logger="zoo.variants.xformers"):
         for _ in range(3):
             run_variant(xf.XFormersAttention(), q, k, v, make_call(True, padding("right", 40)))
-    messages = [r.getMessage() for r in caplog.records if r.name == "variants.xformers"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "zoo.variants.xformers"]
     assert len(messages) == 1, messages
     assert "torch scaled_dot_product_attention" in messages[0] and "cpu" in messages[0]
 
@@ -120,7 +120,7 @@ def test_a_kernel_without_an_operator_falls_back_and_says_why(monkeypatch, caplo
     monkeypatch.setattr(xf, "xformers_unavailable_reason", lambda q: None)
     q, k, v = (x.detach() for x in qkv(3, 30))
     call = make_call(False, padding("right", 30))
-    with caplog.at_level(logging.INFO, logger="variants.xformers"):
+    with caplog.at_level(logging.INFO, logger="zoo.variants.xformers"):
         out = run_variant(xf.XFormersAttention(), q, k, v, call)
     torch.testing.assert_close(out, reference(None, q, k, v, call), atol=1e-5, rtol=1e-4)
     assert any("no operator" in r.getMessage() for r in caplog.records)
@@ -288,7 +288,7 @@ def test_cuda_kernel_equals_the_dense_reference(dtype, caplog):
     xf.log_backend_once.cache_clear()
     n, head_dim = 200, 64
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
-    with caplog.at_level(logging.INFO, logger="variants.xformers"):
+    with caplog.at_level(logging.INFO, logger="zoo.variants.xformers"):
         for causal in (False, True):
             for window in (None, 16):
                 for kind in ("none", "right", "left", "holes"):
@@ -297,7 +297,7 @@ def test_cuda_kernel_equals_the_dense_reference(dtype, caplog):
                     out = run_variant(xf.XFormersAttention(window=window), q, k, v, call)
                     ref = reference(window, *(x.float() for x in (q, k, v)), call)
                     assert_same_output_and_gradients(out.float(), ref, (q, k, v), tolerance, 5 * tolerance)
-    messages = [r.getMessage() for r in caplog.records if r.name == "variants.xformers"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "zoo.variants.xformers"]
     assert any("xformers memory_efficient_attention" in m for m in messages), messages
     fallbacks = [m for m in messages if "torch" in m]  # only a window over holes, or bidirectional in fp32
     assert all("not only a prefix or suffix" in m or "fp16/bf16" in m for m in fallbacks), fallbacks

@@ -1,0 +1,60 @@
+"""The install layout (no top-level ``variants`` module to collide with PyPI's) and models saved by 0.1.0."""
+
+import configparser
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import zoo
+
+ROOT = Path(__file__).resolve().parents[1]
+SAVED_0_1_0 = Path(__file__).parent / "data" / "saved_0_1_0"
+
+
+@pytest.fixture(scope="module")
+def wheel_files(tmp_path_factory) -> tuple[list[str], str]:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(ROOT)],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = out.glob("attention_zoo-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        entry_points = next(archive.read(n).decode() for n in names if n.endswith("entry_points.txt"))
+    return names, entry_points
+
+
+def test_the_wheel_installs_only_the_zoo_package(wheel_files):
+    names, _ = wheel_files
+    top_level = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
+    assert top_level == {"zoo"}, f"the wheel would install top-level modules {sorted(top_level - {'zoo'})}"
+    assert "zoo/variants/longformer.py" in names
+
+
+def test_built_in_entry_points_name_zoo_variants(wheel_files):
+    _, entry_points = wheel_files
+    parser = configparser.ConfigParser()
+    parser.read_string(entry_points)
+    targets = list(parser["attention_zoo.variants"].values())
+    assert targets and all(t.startswith("zoo.variants.") for t in targets), targets
+
+
+@pytest.mark.parametrize("name", ["sparse_transformer", "longformer"])
+def test_models_saved_by_0_1_0_load_with_the_same_outputs(name):
+    """config.json written by attention-zoo 0.1.0 (variant name + params, no module path) still loads."""
+    expected = json.loads((SAVED_0_1_0 / "expected.json").read_text())
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(SAVED_0_1_0 / name).eval()
+    assert zoo.variant_spec(model.config)["variant"] == name
+    with torch.no_grad():
+        logits = model(
+            input_ids=torch.tensor(expected["input_ids"]), attention_mask=torch.tensor(expected["attention_mask"])
+        ).logits
+    torch.testing.assert_close(logits, torch.tensor(expected["logits"][name]), atol=1e-5, rtol=1e-5)
