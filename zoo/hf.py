@@ -20,6 +20,7 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface, PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import flash_attention_mask
 
+from zoo import _patches
 from zoo.ops import expand_kv
 from zoo.registry import UnknownVariantError, get_variant_class, variant_source
 from zoo.variant import AttentionCall, Variant
@@ -90,7 +91,7 @@ def _model_class_for(config: PretrainedConfig) -> type | None:
 
 def _check_model_supported(config: PretrainedConfig, model: PreTrainedModel | None) -> None:
     cls = type(model) if model is not None else _model_class_for(config)
-    if cls is not None and not getattr(cls, "_supports_attention_backend", False):
+    if cls is not None and not cls.is_backend_compatible():
         raise UnsupportedModelError(
             f"{cls.__name__} ({config.model_type!r}) computes attention in its own code and never calls "
             f"transformers' attention interface, so an attention-zoo variant would be silently ignored. "
@@ -266,29 +267,22 @@ def install() -> None:
     AttentionInterface.register(IMPLEMENTATION, zoo_attention_forward)
     # The flash-style mask function yields the 2-D (batch, seq) padding mask (or None): O(n), never n x n.
     AttentionMaskInterface.register(IMPLEMENTATION, flash_attention_mask)
-    original_to_dict = PretrainedConfig.to_dict
-
-    def to_dict(self: PretrainedConfig) -> dict[str, Any]:
-        output = original_to_dict(self)
-        if output.get(CONFIG_KEY) and getattr(self, "_attn_implementation", None) == IMPLEMENTATION:
-            output["attn_implementation"] = IMPLEMENTATION
-        return output
-
-    to_dict.__doc__ = original_to_dict.__doc__
-    PretrainedConfig.to_dict = to_dict
-
-    # Check at model construction (from_config / from_pretrained), not at the first forward, that the
-    # model family calls the interface and that the saved variant is installed.
-    original_resolve = PreTrainedModel.get_correct_attn_implementation
-
-    def get_correct_attn_implementation(self, requested_attention, is_init_check=False):
-        if requested_attention == IMPLEMENTATION:
-            _check_model_supported(self.config, self)
-            variant_for(self.config)
-        return original_resolve(self, requested_attention, is_init_check)
-
-    PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation
+    _patches.apply(saved_implementation=_saved_implementation, check_model=_check_model_can_run)
     _installed = True
+
+
+def _saved_implementation(config: PretrainedConfig) -> str | None:
+    """What config.json records as ``attn_implementation``: ours for configs that carry a zoo variant."""
+    if getattr(config, CONFIG_KEY, None) and getattr(config, "_attn_implementation", None) == IMPLEMENTATION:
+        return IMPLEMENTATION
+    return None
+
+
+def _check_model_can_run(model: PreTrainedModel, requested: str | None) -> None:
+    """At model construction, not at the first forward: the family calls the interface, the variant is here."""
+    if requested == IMPLEMENTATION:
+        _check_model_supported(model.config, model)
+        variant_for(model.config)
 
 
 def variant_spec(config: PretrainedConfig) -> dict[str, Any] | None:

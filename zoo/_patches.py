@@ -1,0 +1,126 @@
+"""Every patch attention-zoo applies to transformers internals, in one guarded place.
+
+Patched symbols (verified on transformers 5.24; the parameters each wrapper relies on are in ``PATCHES``):
+
+* ``PretrainedConfig.to_dict`` -- adds ``"attn_implementation"`` to the dict of a config that carries a zoo
+  variant, so ``save_pretrained`` writes it and ``from_pretrained`` selects the zoo again. There is no public
+  hook to persist a custom implementation name (transformers issue #31741 is open; ``attn_implementation`` is
+  deliberately left out of config.json).
+* ``PreTrainedModel.get_correct_attn_implementation`` -- when the zoo implementation is requested, checks at
+  model construction (``from_config`` / ``from_pretrained`` / ``set_attn_implementation``) that the model
+  family calls the attention interface and that the saved variant is installed, instead of failing at the
+  first forward. transformers offers no per-implementation validation hook; the family check itself uses the
+  public ``PreTrainedModel.is_backend_compatible``.
+
+Rules every patch follows:
+
+* the wrapper passes ``*args, **kwargs`` through unchanged (``functools.wraps``) and binds the arguments it
+  reads by name against the original signature, so a new keyword in transformers does not break it;
+* it acts only on configs and models that use the zoo: every other model sees the original behaviour;
+* :func:`check_patch_targets` compares each patched symbol with the shape the patch was written for; the
+  canary test (``tests/test_patches.py``) fails with the transformers version when it changed, and
+  :func:`apply` logs a warning and leaves that symbol unpatched rather than break ``from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import transformers
+from transformers import PretrainedConfig, PreTrainedModel
+
+logger = logging.getLogger(__name__)
+
+VERIFIED_ON = "5.24"
+ORIGINAL = "__attention_zoo_original__"
+
+
+@dataclass(frozen=True)
+class Patch:
+    owner: type
+    name: str
+    parameters: tuple[str, ...]  # the leading parameters the wrapper reads, by name
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.owner.__name__}.{self.name}"
+
+    def original(self) -> Callable:
+        current = self.owner.__dict__[self.name]
+        return getattr(current, ORIGINAL, current)
+
+
+TO_DICT = Patch(PretrainedConfig, "to_dict", ("self",))
+RESOLVE_IMPLEMENTATION = Patch(PreTrainedModel, "get_correct_attn_implementation", ("self", "requested_attention"))
+PATCHES = (TO_DICT, RESOLVE_IMPLEMENTATION)
+
+
+def _problem(patch: Patch) -> str | None:
+    """Why ``patch`` cannot be applied to this transformers (None: it can)."""
+    if patch.name not in patch.owner.__dict__:
+        problem = f"{patch.qualname} no longer exists"
+    else:
+        actual = tuple(inspect.signature(patch.original()).parameters)
+        if actual[: len(patch.parameters)] == patch.parameters:
+            return None
+        problem = f"{patch.qualname} has parameters {actual}, the patch expects {patch.parameters}"
+    return (
+        f"transformers {transformers.__version__} (attention-zoo's patches were verified on {VERIFIED_ON}): "
+        f"{problem}. Update zoo/_patches.py."
+    )
+
+
+def check_patch_targets() -> list[str]:
+    """One message per patched symbol whose signature no longer starts with the parameters we rely on."""
+    return [problem for patch in PATCHES if (problem := _problem(patch)) is not None]
+
+
+def _wrap(patch: Patch, make_wrapper: Callable[[Callable], Callable]) -> None:
+    """Replace ``patch``'s symbol by ``make_wrapper(original)``, unless its shape changed (then warn)."""
+    problem = _problem(patch)
+    if problem is not None:
+        logger.warning("attention-zoo leaves a transformers symbol unpatched: %s", problem)
+        return
+    original = patch.original()
+    wrapper = functools.wraps(original)(make_wrapper(original))
+    setattr(wrapper, ORIGINAL, original)
+    setattr(patch.owner, patch.name, wrapper)
+
+
+def apply(
+    *,
+    saved_implementation: Callable[[PretrainedConfig], str | None],
+    check_model: Callable[[PreTrainedModel, str | None], None],
+) -> None:
+    """Install the wrappers (idempotent: a second call wraps the originals again, never a wrapper).
+
+    ``saved_implementation(config)`` returns the implementation name to write into the config's dict (None:
+    leave the dict alone); ``check_model(model, requested)`` raises if the model cannot run ``requested``.
+    """
+
+    def make_to_dict(original: Callable) -> Callable:
+        def to_dict(self: PretrainedConfig, *args: Any, **kwargs: Any) -> dict[str, Any]:
+            output = original(self, *args, **kwargs)
+            name = saved_implementation(self)
+            if name is not None:
+                output["attn_implementation"] = name
+            return output
+
+        return to_dict
+
+    def make_resolve(original: Callable) -> Callable:
+        signature = inspect.signature(original)
+
+        def get_correct_attn_implementation(self: PreTrainedModel, *args: Any, **kwargs: Any) -> str:
+            check_model(self, signature.bind(self, *args, **kwargs).arguments.get("requested_attention"))
+            return original(self, *args, **kwargs)
+
+        return get_correct_attn_implementation
+
+    _wrap(TO_DICT, make_to_dict)
+    _wrap(RESOLVE_IMPLEMENTATION, make_resolve)
