@@ -1,11 +1,13 @@
 """``sdpa``: exact attention through ``torch.nn.functional.scaled_dot_product_attention`` -- the dense
-baseline (O(n²) time; on CPU and GPU a flash-style kernel with O(n) memory)."""
+baseline (O(n²) time; on CPU and GPU a flash-style kernel with O(n) memory). A causal padded batch moves every
+row's real tokens to the front (:func:`zoo.ops.sdpa_real_tokens_first`) instead of building an n x n mask."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from zoo.ops import sdpa_real_tokens_first
 from zoo.variant import AttentionCall, Variant
 
 
@@ -19,9 +21,11 @@ class SDPAAttention(Variant):
         q_len, kv_len = q.shape[-2], k.shape[-2]
         mask, is_causal = None, call.causal
         if call.padding_mask is not None:
+            if call.causal and q_len == kv_len:
+                # SDPA cannot combine is_causal with a mask, and an (n, n) causal mask is quadratic memory.
+                return sdpa_real_tokens_first(q, k, v, call.padding_mask, call)
             mask = call.padding_mask[:, None, None, :]  # (B, 1, 1, N): broadcast, never n x n
-            if call.causal:
-                # SDPA cannot combine is_causal with a mask: this one case builds a (B, 1, Nq, Nk) mask.
+            if call.causal:  # KV-cache steps: a (B, 1, new tokens, N) mask
                 positions = torch.arange(kv_len, device=q.device)
                 causal = positions[None, :] <= positions[kv_len - q_len :, None]
                 mask = mask & causal

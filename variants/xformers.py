@@ -32,7 +32,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from zoo.ops import band_part, pad_to_multiple, union_attention
+from zoo.ops import band_part, pad_to_multiple, sdpa_real_tokens_first, union_attention
 from zoo.variant import AttentionCall, Param, Variant
 
 logger = logging.getLogger(__name__)
@@ -220,15 +220,7 @@ def torch_attention(q, k, v, call: AttentionCall, window: int | None) -> torch.T
     real = call.padding_mask
     if real is None or bool(real.all()):
         return _sdpa(q, k, v, None, call, call.causal)
-    lengths = real.sum(-1)
-    order = torch.argsort((~real).to(torch.uint8), dim=-1, stable=True)[:, : int(lengths.max())]  # reals first
-    index = order[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1])
-    front = [x.gather(2, index) for x in (q, k, v)]
-    key_real = None
-    if not call.causal:  # causal: a real query only sees earlier slots, all real
-        key_real = (torch.arange(order.shape[1], device=q.device) < lengths[:, None])[:, None, None, :]
-    out = _sdpa(*front, key_real, call, call.causal)
-    return q.new_zeros(q.shape).scatter(2, index, out)
+    return sdpa_real_tokens_first(q, k, v, real, call)
 
 
 def _sdpa(q, k, v, mask, call: AttentionCall, is_causal: bool) -> torch.Tensor:

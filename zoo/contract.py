@@ -7,107 +7,47 @@ Run it on the installed variants (the project's tests import it) or on your own 
 Each kernel is called through the same plumbing transformers uses (:func:`zoo.hf.run_variant`) on small
 inputs (batch 2, 2 heads, n=100, head_dim 16, q/k/v ~ N(0, 1), the second row padded) built with the
 variant's ``test_params``. Exact variants must equal their reference -- softmax attention restricted to
-their own pattern -- within 1e-5 in fp32; approximate ones must stay within their ``error_bound``.
+their own pattern -- within 1e-5 in fp32; approximate ones must stay within their ``error_bound``. A variant
+that declares memory below O(n²) must allocate no n x n tensor at n = 4096 (forward and backward).
+
+The helpers (inputs, the reference, comparisons, the allocation probe, the reload check) live in
+:mod:`zoo.testing`, for a plugin's own tests beyond this suite.
 """
 
 from __future__ import annotations
 
 import copy
-import tempfile
 
 import pytest
 import torch
 import transformers
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import zoo
 from zoo.hf import run_variant
-from zoo.ops import allowed_mask, softmax_attention
 from zoo.registry import get_variant_class, list_variants
-from zoo.variant import AttentionCall, Param, Variant, VariantParameterError
-
-BATCH, HEADS, N, HEAD_DIM = 2, 2, 100, 16
-REAL_LENGTH = 73  # real tokens in the second (right-padded) row
-ATOL = 1e-5
+from zoo.testing import (
+    ATOL,
+    MEMORY_CHECK_LENGTH,
+    REAL_LENGTH,
+    LargestAllocation,  # noqa: F401  (importable from zoo.contract, as before zoo.testing existed)
+    N,
+    assert_matches_reference,
+    assert_memory_below_quadratic,
+    assert_reloads_identically,
+    declares_subquadratic_memory,
+    make_call,
+    make_inputs,
+    make_variant,
+    model_inputs,
+    modes,
+    real_rows,
+    reference,
+    relative_error,
+    tiny_model_config,
+)
+from zoo.variant import Param, Variant, VariantParameterError
 
 VARIANTS = list_variants()
-
-
-def make_variant(name: str, **overrides) -> Variant:
-    cls = get_variant_class(name)
-    return cls(**{**cls.test_params, **overrides})
-
-
-def modes(name: str) -> list[bool]:
-    cls = get_variant_class(name)
-    return [c for c, ok in ((False, cls.supports_bidirectional), (True, cls.supports_causal)) if ok]
-
-
-def make_inputs(seed: int = 0, dtype=torch.float32, n: int = N, padding: str | None = "right"):
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(BATCH, HEADS, n, HEAD_DIM, generator=gen).to(dtype) for _ in range(3))
-    mask = None
-    if padding is not None:
-        mask = torch.ones(BATCH, n, dtype=torch.bool)
-        if padding == "right":
-            mask[1, REAL_LENGTH:] = False
-        else:
-            mask[1, : n - REAL_LENGTH] = False
-    return q, k, v, mask
-
-
-def make_call(causal: bool, padding_mask=None, **kwargs) -> AttentionCall:
-    return AttentionCall(causal=causal, scaling=HEAD_DIM**-0.5, padding_mask=padding_mask, **kwargs)
-
-
-def reference(variant: Variant, q, k, v, call: AttentionCall) -> torch.Tensor:
-    """What the kernel must equal (exact) or approximate: the variant's own ``reference`` if it defines
-    one, else softmax attention restricted to its pattern, causality and padding (O(n²), tests only)."""
-    if hasattr(variant, "reference"):
-        out = variant.reference(q, k, v, call)
-    else:
-        pattern = variant.pattern(call, q.shape[-2], k.shape[-2])
-        allowed = allowed_mask(call, pattern, q.shape[0], q.shape[1], q.shape[-2], k.shape[-2])
-        out = softmax_attention(q, k, v, allowed, call.scaling)
-    if call.padding_mask is not None:
-        out = out.masked_fill(~call.padding_mask[:, None, :, None], 0.0)
-    return out
-
-
-def real_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Outputs at real (unpadded) query positions, flattened, for comparisons."""
-    if mask is None:
-        return x
-    return x.transpose(1, 2)[mask]
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out - ref).detach().norm() / ref.detach().norm())
-
-
-def assert_matches_reference(variant: Variant, out, ref, what: str = "output") -> None:
-    if variant.exact:
-        torch.testing.assert_close(out, ref, atol=ATOL, rtol=1e-4, msg=lambda m: f"{variant.name} {what}: {m}")
-    else:
-        err = relative_error(out, ref)
-        assert err <= variant.error_bound, f"{variant.name}: relative {what} error {err:.4f} > {variant.error_bound}"
-
-
-class LargestAllocation(TorchDispatchMode):
-    """Records the largest storage (in elements) any op produces, forward and backward: tests use it to
-    show a sub-quadratic kernel never allocates anything of size n x n."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.untyped_storage().nbytes() // t.element_size())
-        return out
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -273,31 +213,19 @@ def test_attention_dropout_is_applied_or_refused(name):
 
 
 # ------------------------------------------------------------------------------------------------------
+# what the variant declares about memory
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANTS if declares_subquadratic_memory(get_variant_class(n))])
+def test_declared_subquadratic_memory_allocates_no_quadratic_tensor(name):
+    """A variant whose ``memory_complexity`` is below O(n²) allocates no tensor of n²/8 elements or more at
+    n = 4096 (one head, a padded row), forward and backward, in each mode. At its default parameters: those are
+    what the declaration describes (``test_params`` are sized for the suite's n = 100)."""
+    assert_memory_below_quadratic(get_variant_class(name)(), MEMORY_CHECK_LENGTH)
+
+
+# ------------------------------------------------------------------------------------------------------
 # inside real transformers models
-
-
-def tiny_model_config(family: str, name: str) -> transformers.PretrainedConfig:
-    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
-    if family == "bert":
-        config = transformers.BertConfig(**common, attention_probs_dropout_prob=0.0, max_position_embeddings=256)
-    elif family == "modernbert":
-        config = transformers.ModernBertConfig(
-            **common, attention_dropout=0.0, global_attn_every_n_layers=2, local_attention=16, pad_token_id=0,
-            bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
-        )
-    elif family == "llama":
-        config = transformers.LlamaConfig(**common, num_key_value_heads=2, attention_dropout=0.0, pad_token_id=0)
-    else:
-        raise ValueError(family)
-    return zoo.configure(config, name, **get_variant_class(name).test_params)
-
-
-def _model_inputs(n: int = N):
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 64, (BATCH, n), generator=gen)
-    mask = torch.ones(BATCH, n, dtype=torch.long)
-    mask[1, REAL_LENGTH:] = 0
-    return ids, mask
 
 
 @pytest.mark.parametrize("name", [n for n in VARIANTS if get_variant_class(n).supports_bidirectional])
@@ -305,7 +233,7 @@ def _model_inputs(n: int = N):
 def test_runs_in_encoders_with_padding_and_reloads_identically(name, family):
     torch.manual_seed(0)
     model = transformers.AutoModel.from_config(tiny_model_config(family, name)).eval()
-    ids, mask = _model_inputs()
+    ids, mask = model_inputs()
     out = model(input_ids=ids, attention_mask=mask).last_hidden_state
     ids_noisy = ids.clone()
     ids_noisy[1, REAL_LENGTH:] = 7
@@ -315,20 +243,15 @@ def test_runs_in_encoders_with_padding_and_reloads_identically(name, family):
     model.train()
     model(input_ids=ids, attention_mask=mask).last_hidden_state.sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
-    model.eval()
-    out = model(input_ids=ids, attention_mask=mask).last_hidden_state
-    with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(tmp)
-        reloaded = transformers.AutoModel.from_pretrained(tmp).eval()
-    assert reloaded.config.attention_zoo["variant"] == name
-    torch.testing.assert_close(reloaded(input_ids=ids, attention_mask=mask).last_hidden_state, out)
+    reloaded = assert_reloads_identically(model, {"input_ids": ids, "attention_mask": mask})
+    assert zoo.variant_spec(reloaded.config)["variant"] == name
 
 
 @pytest.mark.parametrize("name", [n for n in VARIANTS if get_variant_class(n).supports_causal])
 def test_runs_in_llama_with_gqa_without_leaking_the_future(name):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(tiny_model_config("llama", name)).eval()
-    ids, mask = _model_inputs()
+    ids, mask = model_inputs()
     logits = model(input_ids=ids, attention_mask=mask).logits
     assert torch.isfinite(logits).all()
     changed = ids.clone()

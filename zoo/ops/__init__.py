@@ -8,7 +8,15 @@ from zoo.ops.blocked import (
     rows_attention,
     split_blocks,
 )
-from zoo.ops.dense import allowed_mask, expand_kv, in_head_groups, pad_to_multiple, safe_softmax, softmax_attention
+from zoo.ops.dense import (
+    allowed_mask,
+    expand_kv,
+    in_head_groups,
+    pad_to_multiple,
+    safe_softmax,
+    sdpa_real_tokens_first,
+    softmax_attention,
+)
 from zoo.ops.gathered import gathered_attention
 from zoo.ops.prefix import default_chunk_size, linear_attention, linear_attention_flops, linear_attention_reference
 from zoo.ops.union import GatheredPart, KeyPart, band_part, union_attention
@@ -29,6 +37,7 @@ __all__ = [
     "pad_to_multiple",
     "rows_attention",
     "safe_softmax",
+    "sdpa_real_tokens_first",
     "softmax_attention",
     "split_blocks",
     "union_attention",

@@ -1,4 +1,5 @@
-"""Dense helpers: GQA expansion, the O(n²) reference mask and softmax attention, padding to a block multiple.
+"""Dense helpers: GQA expansion, the O(n²) reference mask and softmax attention, SDPA over a padded batch with
+the real tokens first, padding to a block multiple.
 
 Everything here works on ``(batch, heads, seq, head_dim)`` tensors.
 """
@@ -95,6 +96,25 @@ def pad_to_multiple(x: torch.Tensor, multiple: int, dim: int = -2, value: float 
     dim = dim % x.dim()
     pad = [0, 0] * (x.dim() - 1 - dim) + [0, extra]
     return F.pad(x, pad, value=value)
+
+
+def sdpa_real_tokens_first(q, k, v, real: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+    """Torch SDPA over a padded batch (q_len == kv_len) without an n x n mask: the real tokens of every row are
+    moved to the front in order (``real`` (B, n) bool, any pattern of holes), one SDPA runs on the first
+    ``max(real tokens)`` slots (causal: ``is_causal``, the real tokens keep their order; bidirectional: a
+    (B, 1, 1, slots) key mask) and the rows are scattered back. Padded query rows are zero."""
+    lengths = real.sum(-1)
+    order = torch.argsort((~real).to(torch.uint8), dim=-1, stable=True)[:, : int(lengths.max())]  # reals first
+    index = order[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1])
+    front = [x.gather(2, index) for x in (q, k, v)]
+    key_real = None
+    if not call.causal:  # causal: a real query only sees earlier slots, all real
+        key_real = (torch.arange(order.shape[1], device=q.device) < lengths[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        *front, attn_mask=key_real, dropout_p=call.dropout if call.training else 0.0, is_causal=call.causal,
+        scale=call.scaling,
+    )
+    return q.new_zeros(q.shape).scatter(2, index, out)
 
 
 HEAD_GROUP_ELEMENTS = 2**21  # per tensor and head group in :func:`in_head_groups` (8 MB in fp32)

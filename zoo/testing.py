@@ -1,0 +1,250 @@
+"""Helpers for testing an attention variant beyond the contract suite (:mod:`zoo.contract` is built on them).
+
+A plugin author's own tests use the same inputs, dense reference, allocation probe and comparisons as the suite::
+
+    from zoo.testing import make_inputs, make_call, reference, assert_matches_reference, real_rows
+
+    variant = MyAttention(window=8)
+    q, k, v, mask = make_inputs(n=77)
+    call = make_call(causal=True, padding_mask=mask)
+    out = run_variant(variant, q, k, v, call)
+    assert_matches_reference(variant, real_rows(out, mask), real_rows(reference(variant, q, k, v, call), mask))
+
+* inputs: :func:`make_inputs` (q/k/v ~ N(0, 1), a padded row), :func:`make_call`, :func:`make_variant` (with the
+  variant's ``test_params``), :func:`tiny_model_config` / :func:`model_inputs` (2-layer BERT, ModernBERT, Llama);
+* the reference: :func:`reference` -- softmax attention restricted to the variant's pattern, causality and
+  padding, or the variant's own ``reference()`` (O(n²), tests only);
+* comparisons: :func:`assert_matches_reference` (exact: 1e-5; approximate: ``error_bound``), :func:`relative_error`,
+  :func:`real_rows`;
+* memory: :class:`LargestAllocation` (the largest tensor any op produces, forward and backward),
+  :func:`largest_allocation` and :func:`assert_memory_below_quadratic` (what the suite runs at n = 4096);
+* persistence: :func:`assert_reloads_identically` (save_pretrained, from_pretrained, same variant and outputs).
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import zoo
+from zoo.hf import run_variant
+from zoo.ops import allowed_mask, softmax_attention
+from zoo.registry import get_variant_class
+from zoo.variant import AttentionCall, Variant
+
+BATCH, HEADS, N, HEAD_DIM = 2, 2, 100, 16
+REAL_LENGTH = 73  # real tokens in the second (padded) row
+ATOL = 1e-5
+MEMORY_CHECK_LENGTH = 4096
+QUADRATIC_FRACTION = 8  # a tensor of n²/8 elements or more counts as quadratic
+
+# ------------------------------------------------------------------------------------------------------
+# inputs
+
+
+def make_variant(name: str, **overrides) -> Variant:
+    """Variant ``name`` built with its ``test_params`` (the small settings of the contract suite) and ``overrides``."""
+    cls = get_variant_class(name)
+    return cls(**{**cls.test_params, **overrides})
+
+
+def modes(name_or_class: str | type[Variant]) -> list[bool]:
+    """The ``causal`` values the variant supports: [False, True], [False] or [True]."""
+    cls = get_variant_class(name_or_class) if isinstance(name_or_class, str) else name_or_class
+    return [c for c, ok in ((False, cls.supports_bidirectional), (True, cls.supports_causal)) if ok]
+
+
+def make_inputs(
+    seed: int = 0,
+    dtype=torch.float32,
+    n: int = N,
+    padding: str | None = "right",
+    batch: int = BATCH,
+    heads: int = HEADS,
+    head_dim: int = HEAD_DIM,
+):
+    """``q, k, v`` (batch, heads, n, head_dim) ~ N(0, 1) and a padding mask (batch, n) bool with the last row holding
+    ``REAL_LENGTH`` (at most n - 1) real tokens on the right (``padding="right"``) or on the left; None when
+    ``padding`` is None."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, heads, n, head_dim, generator=gen).to(dtype) for _ in range(3))
+    mask = None
+    if padding is not None:
+        mask = torch.ones(batch, n, dtype=torch.bool)
+        real = min(REAL_LENGTH, n - 1)
+        if padding == "right":
+            mask[-1, real:] = False
+        else:
+            mask[-1, : n - real] = False
+    return q, k, v, mask
+
+
+def make_call(causal: bool, padding_mask=None, head_dim: int = HEAD_DIM, **kwargs) -> AttentionCall:
+    """An :class:`AttentionCall` with softmax scaling ``head_dim ** -0.5``; ``kwargs`` set the other fields."""
+    return AttentionCall(causal=causal, scaling=head_dim**-0.5, padding_mask=padding_mask, **kwargs)
+
+
+def tiny_model_config(family: str, name: str, **params) -> transformers.PretrainedConfig:
+    """A 2-layer, hidden-32 ``bert``, ``modernbert`` or ``llama`` (GQA) config using variant ``name`` with its
+    ``test_params`` and ``params``."""
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    if family == "bert":
+        config = transformers.BertConfig(**common, attention_probs_dropout_prob=0.0, max_position_embeddings=256)
+    elif family == "modernbert":
+        config = transformers.ModernBertConfig(
+            **common, attention_dropout=0.0, global_attn_every_n_layers=2, local_attention=16, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
+        )
+    elif family == "llama":
+        config = transformers.LlamaConfig(**common, num_key_value_heads=2, attention_dropout=0.0, pad_token_id=0)
+    else:
+        raise ValueError(f"tiny_model_config: unknown family {family!r}; use 'bert', 'modernbert' or 'llama'.")
+    return zoo.configure(config, name, **{**get_variant_class(name).test_params, **params})
+
+
+def model_inputs(n: int = N, batch: int = BATCH, vocab_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids`` (batch, n) and an ``attention_mask`` whose last row is padded after ``REAL_LENGTH`` tokens."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab_size, (batch, n), generator=gen)
+    mask = torch.ones(batch, n, dtype=torch.long)
+    mask[-1, min(REAL_LENGTH, n - 1) :] = 0
+    return ids, mask
+
+
+# ------------------------------------------------------------------------------------------------------
+# the reference and comparisons
+
+
+def reference(variant: Variant, q, k, v, call: AttentionCall) -> torch.Tensor:
+    """What the kernel must equal (exact) or approximate: the variant's own ``reference`` if it defines
+    one, else softmax attention restricted to its pattern, causality and padding (O(n²), tests only).
+    Padded query rows are zero, as :func:`zoo.hf.run_variant` makes them."""
+    if hasattr(variant, "reference"):
+        out = variant.reference(q, k, v, call)
+    else:
+        pattern = variant.pattern(call, q.shape[-2], k.shape[-2])
+        allowed = allowed_mask(call, pattern, q.shape[0], q.shape[1], q.shape[-2], k.shape[-2], q.device)
+        out = softmax_attention(q, k, v, allowed, call.scaling)
+    if call.padding_mask is not None and out.shape[-2] == call.padding_mask.shape[-1]:
+        out = out.masked_fill(~call.padding_mask[:, None, :, None], 0.0)
+    return out
+
+
+def real_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Outputs (batch, heads, n, d) at real (unpadded) query positions, flattened to (real tokens, heads, d)."""
+    if mask is None:
+        return x
+    return x.transpose(1, 2)[mask]
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ (Frobenius), the measure of ``Variant.error_bound``."""
+    return float((out - ref).detach().norm() / ref.detach().norm())
+
+
+def assert_matches_reference(variant: Variant, out, ref, what: str = "output") -> None:
+    """Exact variants: equal within ``ATOL`` (rtol 1e-4); approximate ones: relative error within ``error_bound``."""
+    if variant.exact:
+        torch.testing.assert_close(out, ref, atol=ATOL, rtol=1e-4, msg=lambda m: f"{variant.name} {what}: {m}")
+    else:
+        err = relative_error(out, ref)
+        if err > variant.error_bound:
+            raise AssertionError(f"{variant.name}: relative {what} error {err:.4f} > error_bound {variant.error_bound}")
+
+
+# ------------------------------------------------------------------------------------------------------
+# memory
+
+
+class LargestAllocation(TorchDispatchMode):
+    """Records the largest storage (in elements) any op produces, forward and backward: tests use it to
+    show a sub-quadratic kernel never allocates anything of size n x n.
+
+    ``with LargestAllocation() as probe: ...; probe.largest``."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.untyped_storage().nbytes() // t.element_size())
+        return out
+
+
+def declares_subquadratic_memory(cls: type[Variant] | Variant) -> bool:
+    """False when ``memory_complexity`` mentions n² anywhere (``n²``, ``n^2``, ``n**2``, ``n·n``, ``n x n``)."""
+    return re.search(r"n\s*(²|\^\s*2|\*\*\s*2|[·*×x]\s*n\b)", cls.memory_complexity) is None
+
+
+def largest_allocation(
+    variant: Variant, n: int = MEMORY_CHECK_LENGTH, causal: bool = False, padded: bool = True, head_dim: int = 16,
+    batch: int = 1, heads: int = 1,
+) -> int:
+    """Elements of the largest tensor one forward and backward of ``variant`` produces at length ``n``
+    (q/k/v (batch, heads, n, head_dim); ``padded``: the last n/16 tokens of the last row are padding)."""
+    q, k, v, _ = make_inputs(n=n, padding=None, batch=batch, heads=heads, head_dim=head_dim)
+    mask = None
+    if padded:
+        mask = torch.ones(batch, n, dtype=torch.bool)
+        mask[-1, n - n // 16 :] = False
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    call = make_call(causal, mask, head_dim=head_dim)
+    with LargestAllocation() as probe:
+        out = run_variant(variant, *leaves, call)
+        out.sum().backward()
+    return probe.largest
+
+
+def assert_memory_below_quadratic(variant: Variant, n: int = MEMORY_CHECK_LENGTH, **kwargs) -> None:
+    """A variant that declares sub-quadratic memory allocates no tensor of n²/8 elements or more at length n,
+    forward and backward, in every mode it supports (batch 1, one head: the limit is per (batch, head))."""
+    batch, heads = kwargs.get("batch", 1), kwargs.get("heads", 1)
+    limit = n * n // QUADRATIC_FRACTION * batch * heads
+    for causal in modes(type(variant)):
+        largest = largest_allocation(variant, n, causal=causal, **kwargs)
+        if largest >= limit:
+            raise AssertionError(
+                f"attention-zoo variant {variant.name!r} declares memory {variant.memory_complexity} but allocated a "
+                f"tensor of {largest} elements (>= n²/{QUADRATIC_FRACTION} per head = {limit} at n = {n}, batch "
+                f"{batch}, {heads} head(s), {'causal' if causal else 'bidirectional'}, forward and backward): an "
+                "n x n score, mask or cache. Compute it in blocks, or declare its memory as O(n²)."
+            )
+
+
+# ------------------------------------------------------------------------------------------------------
+# persistence
+
+
+def assert_reloads_identically(
+    model: transformers.PreTrainedModel, inputs: dict, path: str | Path | None = None, **compare
+) -> transformers.PreTrainedModel:
+    """Save ``model`` (put in eval mode) with ``save_pretrained``, load it back with ``from_pretrained`` of the same
+    class, check it uses the same variant and parameters and gives the same first output (``last_hidden_state``
+    or ``logits``) on ``inputs``; returns the reloaded model. ``path``: where to save (default a temporary folder);
+    ``compare``: tolerances for ``torch.testing.assert_close``."""
+    model.eval()
+    with torch.no_grad():
+        before = model(**inputs)[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(path if path is not None else tmp)
+        model.save_pretrained(folder)
+        reloaded = type(model).from_pretrained(folder).eval()
+    saved, loaded = zoo.variant_spec(model.config), zoo.variant_spec(reloaded.config)
+    if saved is not None:
+        if loaded is None or (loaded["variant"], loaded["params"]) != (saved["variant"], saved["params"]):
+            raise AssertionError(f"the reloaded model's attention-zoo entry {loaded} differs from the saved {saved}")
+        if reloaded.config._attn_implementation != zoo.IMPLEMENTATION:
+            raise AssertionError(f"the reloaded model runs {reloaded.config._attn_implementation!r}, not the zoo")
+    with torch.no_grad():
+        after = reloaded(**inputs)[0]
+    torch.testing.assert_close(after, before, msg=lambda m: f"reloaded model's output differs: {m}", **compare)
+    return reloaded
