@@ -1,5 +1,5 @@
 """`zoo bench`: outputs, every registered variant and installed peer present, skips noted, failures recorded,
-the exponent fit and the budget estimates."""
+the exponent fit and the budget estimates, flag aliases and attention dropout."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 
 import zoo
 from zoo import bench
-from zoo.bench_peers import PEERS, QKVProjections
-from zoo.cli import main
+from zoo.bench import PEERS, QKVProjections, plan
+from zoo.cli import build_parser, main
 
 OUTPUTS = ("bench.csv", "bench.json", "bench.md", "time_vs_n.png", "memory_vs_n.png")
 
@@ -45,7 +45,7 @@ def read_rows(out):
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_quick")
-    assert main(["bench", "--quick", "--no-progress", "--output-dir", str(out)]) == 0
+    assert main(["bench", "--quick", "--no_progress", "--output_dir", str(out)]) == 0
     return out
 
 
@@ -111,7 +111,7 @@ def test_failing_variants_are_recorded_and_budget_skips_are_noted(tmp_path):
             "bench", "--variants", "sdpa", "bench_test_raises", "bench_test_hog", "--lengths", "512", "1024",
             "--hidden", "64", "--heads", "2", "--repeats", "1", "--warmup", "0", "--max-seconds", "1e-6",
             "--error-length", "256", "--roof-size", "128", "--no-progress", "--output-dir", str(tmp_path),
-        ])
+        ])  # the hyphenated aliases of the flags
     finally:
         zoo.unregister_variant(RaisingVariant.name)
         zoo.unregister_variant(MemoryHogVariant.name)
@@ -119,7 +119,7 @@ def test_failing_variants_are_recorded_and_budget_skips_are_noted(tmp_path):
     rows = {(r["variant"], int(r["n"])): r for r in read_rows(tmp_path)}
     assert rows[("sdpa", 512)]["status"] == "ok"
     assert rows[("sdpa", 1024)]["status"] == "skipped"
-    assert "> --max-seconds 1e-06" in rows[("sdpa", 1024)]["note"]
+    assert "> --max_seconds 1e-06" in rows[("sdpa", 1024)]["note"]
     for n in (512, 1024):
         assert rows[("bench_test_raises", n)]["status"] == "error"
         assert "RuntimeError: boom from the test variant" in rows[("bench_test_raises", n)]["note"]
@@ -150,8 +150,8 @@ def test_skip_reason_extrapolates_time_and_memory(monkeypatch):
     history = bench.History(times=[(1024, 1.0), (2048, 4.0)], memory=[(1024, 1e8), (2048, 2e8)])
     note, estimate = bench.skip_reason(sdpa, settings, 8192, history, baseline=3e8)
     assert estimate == pytest.approx(64.0)  # slope 2 from the last two lengths
-    assert note == "skipped: est. 64 s > --max-seconds 60"
-    monkeypatch.setattr(bench, "available_memory_bytes", lambda settings: 1e9)
+    assert note == "skipped: est. 64 s > --max_seconds 60"
+    monkeypatch.setattr(plan, "available_memory_bytes", lambda settings: 1e9)
     roomy = bench.BenchSettings(max_seconds=1e9)
     assert bench.skip_reason(sdpa, roomy, 4096, history, baseline=3e8)[0] is None  # 4e8 + 3e8 fits in 0.9e9
     note, _ = bench.skip_reason(sdpa, roomy, 16384, history, baseline=3e8)  # 16e8 + 3e8 does not
@@ -185,12 +185,14 @@ def test_variant_params_parse_and_link_to_peers():
 
 
 def test_bad_input_gives_a_clear_error(capsys, tmp_path):
-    assert main(["bench", "--hidden", "100", "--heads", "12", "--output-dir", str(tmp_path)]) == 2
+    assert main(["bench", "--hidden", "100", "--heads", "12", "--output_dir", str(tmp_path)]) == 2
     assert "not divisible by --heads" in capsys.readouterr().err
-    assert main(["bench", "--variants", "no_such_variant", "--output-dir", str(tmp_path)]) == 2
+    assert main(["bench", "--variants", "no_such_variant", "--output_dir", str(tmp_path)]) == 2
     assert "unknown variant or peer 'no_such_variant'" in capsys.readouterr().err
-    assert main(["bench", "--variant-params", "dense.nope=1", "--output-dir", str(tmp_path)]) == 2
+    assert main(["bench", "--variant_params", "dense.nope=1", "--output_dir", str(tmp_path)]) == 2
     assert "no parameter 'nope'" in capsys.readouterr().err
+    assert main(["bench", "--dropout", "1.5", "--output_dir", str(tmp_path)]) == 2
+    assert "--dropout is a probability in [0, 1), got 1.5" in capsys.readouterr().err
     assert not (tmp_path / "bench.csv").exists()
 
 
@@ -221,3 +223,64 @@ def test_in_process_runner_records_failures():
     result = runner.run(bench.measure_time, failing, settings, 64, timeout=60)
     assert result == {"status": "error", "error": "RuntimeError: boom from the test variant"}
     assert math.isfinite(runner.run(bench.measure_roof, settings, timeout=60)["gflop_per_s"])
+
+
+def test_flags_take_underscores_and_hyphens_alike():
+    """One spelling across zoo bench, finetune and compare (--output_dir, the Hugging Face one); hyphens still work."""
+    underscores = build_parser().parse_args([
+        "bench", "--output_dir", "a", "--max_seconds", "5", "--error_length", "64", "--roof_size", "32",
+        "--variant_params", "longformer.window=64", "--no_progress",
+    ])
+    hyphens = build_parser().parse_args([
+        "bench", "--output-dir", "a", "--max-seconds", "5", "--error-length", "64", "--roof-size", "32",
+        "--variant-params", "longformer.window=64", "--no-progress",
+    ])
+    assert vars(underscores) == vars(hyphens)
+    assert underscores.max_seconds == 5.0 and underscores.no_progress and str(underscores.output_dir) == "a"
+    settings = bench.settings_from_args(underscores)
+    command = bench.command_line(settings, underscores)
+    assert "--max_seconds 5 --error_length 64" in command and command.endswith("--output_dir a")
+    assert "--dropout" not in command  # written only when set
+
+
+@pytest.mark.parametrize("name", ["sdpa", "longformer", "hf_longformer", "local_attention"])
+def test_dropout_reaches_the_attention_in_training_mode(name):
+    contestant = bench.make_contestants([name], {})[0]
+    if not getattr(contestant, "installed", lambda: True)():
+        pytest.skip(f"{name} is not installed")
+    assert contestant.supports_dropout
+    n, x = 256, torch.randn(1, 256, 32)
+    with_dropout = contestant.build(QKVProjections(32, 2), n, causal=False, dropout=0.5).train()
+    torch.manual_seed(1)
+    first = with_dropout(x)
+    torch.manual_seed(2)
+    assert not torch.allclose(first, with_dropout(x))  # different dropout masks
+    without = contestant.build(QKVProjections(32, 2), n, causal=False).train()
+    assert torch.equal(without(x), without(x))
+    with_dropout.eval()
+    assert torch.equal(with_dropout(x), with_dropout(x))  # eval: no dropout
+
+
+def test_dropout_runs_in_training_mode_and_skips_contestants_without_it(tmp_path):
+    settings = bench.BenchSettings(lengths=[64], hidden=32, heads=2, mode="fwd", dropout=0.1)
+    assert settings.training and not bench.BenchSettings(mode="fwd").training
+    performer, hf_bigbird = bench.make_contestants(["performer", "hf_bigbird"], {})
+    assert not performer.supports_dropout and not hf_bigbird.supports_dropout
+    note, _ = bench.skip_reason(performer, settings, 2048, bench.History(), baseline=0)
+    assert note == "skipped: performer has no attention dropout (--dropout 0.1)"
+    assert main([
+        "bench", "--variants", "sdpa", "performer", "--lengths", "256", "--hidden", "32", "--heads", "2",
+        "--repeats", "1", "--warmup", "0", "--error_length", "128", "--roof_size", "64", "--dropout", "0.1",
+        "--no_progress", "--output_dir", str(tmp_path),
+    ]) == 0
+    rows = {r["variant"]: r for r in read_rows(tmp_path)}
+    assert rows["sdpa"]["status"] == "ok" and float(rows["sdpa"]["time_s"]) > 0
+    assert rows["performer"]["status"] == "skipped"
+    assert rows["performer"]["note"] == "skipped: performer has no attention dropout (--dropout 0.1)"
+    assert {r["dropout"] for r in rows.values()} == {"0.1"}
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["settings"]["dropout"] == 0.1 and "--dropout 0.1" in report["command"]
+    assert report["variants"]["performer"]["rel_error"] is not None  # the error check runs in eval mode
+    markdown = (tmp_path / "bench.md").read_text()
+    assert "fwd+bwd with attention dropout 0.1 (training mode)" in markdown
+    assert "(eval mode: no dropout)" in markdown

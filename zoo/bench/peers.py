@@ -1,10 +1,6 @@
-"""The contestants of ``zoo bench``: one self-attention layer (q/k/v projections + attention) built around a zoo
-variant or around a peer implementation (transformers' Longformer and BigBird modules, lucidrains'
-performer-pytorch and local-attention).
-
-Every contestant shares the same :class:`QKVProjections` (the peers' own q/k/v ``nn.Linear`` are replaced by
-them), takes hidden states ``(batch, n, hidden)`` and returns ``(batch, n, hidden)``. A contestant is a small
-picklable description; :meth:`Contestant.build` makes the ``nn.Module`` inside the process that measures it.
+"""The peers ``zoo bench`` holds the zoo's variants against: transformers' Longformer and BigBird attention modules
+and lucidrains' performer-pytorch and local-attention (the ``bench`` extra), each wrapped as a
+:class:`~zoo.bench.contestants.Contestant` around the shared q/k/v projections.
 """
 
 from __future__ import annotations
@@ -16,131 +12,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from zoo.hf import run_variant
+from zoo.bench.contestants import Contestant, PatternFn, QKVProjections, merge_heads
 from zoo.registry import get_variant_class
-from zoo.variant import AttentionCall, IndexPredicate, Variant, VariantParameterError
-
-# A pattern in the Variant.pattern style: (call, q_len, kv_len) -> index predicate or None (= every key).
-PatternFn = Any
-
-
-class QKVProjections(nn.Module):
-    """The q/k/v projections every contestant shares (``query``/``key``/``value`` like BERT and Longformer)."""
-
-    def __init__(self, hidden: int, heads: int) -> None:
-        super().__init__()
-        self.heads, self.head_dim = heads, hidden // heads
-        self.query = nn.Linear(hidden, hidden)
-        self.key = nn.Linear(hidden, hidden)
-        self.value = nn.Linear(hidden, hidden)
-
-    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Project ``(B, N, hidden)`` to q, k, v of shape ``(B, heads, N, head_dim)``."""
-        batch, n, _ = x.shape
-        return tuple(
-            proj(x).view(batch, n, self.heads, self.head_dim).transpose(1, 2)
-            for proj in (self.query, self.key, self.value)
-        )
-
-
-def merge_heads(out: torch.Tensor) -> torch.Tensor:
-    """``(B, heads, N, head_dim)`` -> ``(B, N, hidden)``."""
-    batch, heads, n, head_dim = out.shape
-    return out.transpose(1, 2).reshape(batch, n, heads * head_dim)
-
-
-class Contestant:
-    """What ``zoo bench`` measures: a name, its parameters, its cost model and a way to build the layer."""
-
-    name: str
-    kind: ClassVar[str]  # "zoo" or "peer"
-    matches: tuple[str, ...] = ()  # zoo variants this contestant is compared with (peers only)
-    has_reference = True  # False when the exact pattern cannot be reconstructed (BigBird's internal random blocks)
-    exact: bool
-    memory_grows_quadratically = False  # the first guess for memory extrapolation, before two lengths are measured
-    time_complexity = "?"
-    memory_complexity = "?"
-
-    def __init__(self, params: dict[str, Any]) -> None:
-        self.params = params
-
-    def unsupported(self, n: int, causal: bool) -> str | None:
-        """Why this contestant cannot run at length n (a note for the table), or None."""
-        return None
-
-    def flops(self, n: int, heads: int, head_dim: int, causal: bool) -> float:
-        raise NotImplementedError
-
-    def build(self, proj: QKVProjections, n: int, causal: bool) -> nn.Module:
-        raise NotImplementedError
-
-    def reference_pattern(self, layer: nn.Module) -> PatternFn | None:
-        """The keys each query may see, for the error reference (exact contestants); None = full softmax."""
-        return None
-
-    def source(self) -> tuple[str, str]:
-        """(distribution, version) that provides the implementation."""
-        raise NotImplementedError
-
-
-# ---------------------------------------------------------------------------------------------------
-# zoo variants
-
-
-class ZooAttentionLayer(nn.Module):
-    """Projections + a zoo variant called through the real plumbing (:func:`zoo.hf.run_variant`)."""
-
-    def __init__(self, proj: QKVProjections, variant: Variant, causal: bool) -> None:
-        super().__init__()
-        self.proj, self.variant, self.causal = proj, variant, causal
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.proj.split(x)
-        call = AttentionCall(causal=self.causal, scaling=q.shape[-1] ** -0.5, training=self.training)
-        return merge_heads(run_variant(self.variant, q, k, v, call))
-
-
-class ZooContestant(Contestant):
-    kind = "zoo"
-
-    def __init__(self, cls: type[Variant], params: dict[str, Any]) -> None:
-        self.cls, self.name = cls, cls.name
-        self.exact = cls.exact
-        self.time_complexity, self.memory_complexity = cls.time_complexity, cls.memory_complexity
-        self.memory_grows_quadratically = any(s in cls.memory_complexity for s in ("²", "^2", "**2"))
-        self._variant: Variant | None = cls(**params)  # validates the parameters now, in the parent
-        super().__init__(dict(self._variant.config))
-
-    def unsupported(self, n: int, causal: bool) -> str | None:
-        if causal and not self.cls.supports_causal:
-            return f"{self.name} is bidirectional only"
-        if not causal and not self.cls.supports_bidirectional:
-            return f"{self.name} is causal only"
-        return None
-
-    def flops(self, n: int, heads: int, head_dim: int, causal: bool) -> float:
-        if self._variant is None:
-            self._variant = self.cls(**self.params)
-        return float(self._variant.flops(n, heads, head_dim, causal))
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_variant": None}  # the measuring process builds its own
-
-    def build(self, proj: QKVProjections, n: int, causal: bool) -> nn.Module:
-        return ZooAttentionLayer(proj, self.cls(**self.params), causal)
-
-    def reference_pattern(self, layer: nn.Module) -> PatternFn | None:
-        return layer.variant.pattern if self.exact else None
-
-    def source(self) -> tuple[str, str]:
-        from zoo.registry import variant_source
-
-        src = variant_source(self.name)
-        return src.distribution, src.version
-
-
-# ---------------------------------------------------------------------------------------------------
-# peers
+from zoo.variant import AttentionCall, IndexPredicate, VariantParameterError
 
 
 class Peer(Contestant):
@@ -245,6 +119,7 @@ class HFLongformerPeer(Peer):
     distribution = "transformers"
     matches = ("longformer",)
     exact = True
+    supports_dropout = True
     time_complexity, memory_complexity = "O(n·w)", "O(n·w)"
     defaults = {"window": 512, "global_tokens": [0]}
     links = {"window": ("longformer", "window", _first), "global_tokens": ("longformer", "global_tokens", list)}
@@ -257,7 +132,7 @@ class HFLongformerPeer(Peer):
         window, n_global = self.params["window"], len(self.params["global_tokens"])
         return 4.0 * heads * head_dim * n * (2 * window + 2 * n_global)
 
-    def build(self, proj: QKVProjections, n: int, causal: bool) -> nn.Module:
+    def build(self, proj: QKVProjections, n: int, causal: bool, dropout: float = 0.0) -> nn.Module:
         from transformers import LongformerConfig
         from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
 
@@ -266,7 +141,7 @@ class HFLongformerPeer(Peer):
             hidden_size=hidden,
             num_attention_heads=proj.heads,
             attention_window=[self.params["window"]],
-            attention_probs_dropout_prob=0.0,
+            attention_probs_dropout_prob=dropout,
         )
         attention = LongformerSelfAttention(config, layer_id=0)
         # Shared projections; the global ones equal the local ones (as the zoo's longformer documents).
@@ -308,6 +183,7 @@ class HFBigBirdPeer(Peer):
     matches = ("bigbird",)
     exact = True
     has_reference = False  # its random blocks are drawn inside the module (NumPy), not reconstructible here
+    supports_dropout = False  # BigBirdBlockSparseAttention applies no attention dropout (only BigBird's full path)
     memory_grows_quadratically = True  # transformers 5.x builds a dense (B, H, N, N) probability tensor
     time_complexity, memory_complexity = "O(n·b·(3+2+r))", "O(n²) (dense probabilities in 5.x)"
     defaults = {"block_size": 64, "num_random_blocks": 3, "seed": 0}
@@ -330,7 +206,7 @@ class HFBigBirdPeer(Peer):
         global_rows = 4.0 * heads * head_dim * (2 * block) * n  # the first and last query blocks see everything
         return sparse_rows + global_rows
 
-    def build(self, proj: QKVProjections, n: int, causal: bool) -> nn.Module:
+    def build(self, proj: QKVProjections, n: int, causal: bool, dropout: float = 0.0) -> nn.Module:
         from transformers import BigBirdConfig
         from transformers.models.big_bird.modeling_big_bird import BigBirdBlockSparseAttention
 
@@ -367,6 +243,7 @@ class PerformerPytorchPeer(Peer):
     distribution = "performer-pytorch"
     matches = ("performer",)
     exact = False
+    supports_dropout = False  # FastAttention has none (performer-pytorch's dropout is on SelfAttention's output)
     time_complexity, memory_complexity = "O(n·m·d)", "O(n·m)"
     defaults = {"nb_features": 256}
     links = {"nb_features": ("performer", "nb_features", int)}
@@ -381,7 +258,7 @@ class PerformerPytorchPeer(Peer):
         # features of q and k (2·n·m·d each), k^T v and q (k^T v) (2·n·m·d each)
         return 8.0 * heads * head_dim * n * self.params["nb_features"]
 
-    def build(self, proj: QKVProjections, n: int, causal: bool) -> nn.Module:
+    def build(self, proj: QKVProjections, n: int, causal: bool, dropout: float = 0.0) -> nn.Module:
         from performer_pytorch import FastAttention
 
         return SplitHeadsLayer(proj, FastAttention(dim_heads=proj.head_dim, nb_features=self.params["nb_features"],
@@ -394,6 +271,7 @@ class LocalAttentionPeer(Peer):
     distribution = "local-attention"
     matches = ("longformer",)
     exact = True
+    supports_dropout = True
     time_complexity, memory_complexity = "O(n·w)", "O(n·w)"
     defaults = {"window": 256}  # keys on each side, as the zoo longformer's window // 2
     links = {"window": ("longformer", "window", lambda w: _first(w) // 2)}
@@ -402,12 +280,12 @@ class LocalAttentionPeer(Peer):
         blocks_seen = 2 if causal else 3  # each query bucket scores its own and its neighbour buckets
         return 4.0 * heads * head_dim * n * blocks_seen * self.params["window"]
 
-    def build(self, proj: QKVProjections, n: int, causal: bool) -> nn.Module:
+    def build(self, proj: QKVProjections, n: int, causal: bool, dropout: float = 0.0) -> nn.Module:
         from local_attention import LocalAttention
 
         attention = LocalAttention(
             window_size=self.params["window"], causal=causal, look_backward=1, look_forward=0 if causal else 1,
-            exact_windowsize=True, autopad=True,
+            exact_windowsize=True, autopad=True, dropout=dropout,
         )
         return SplitHeadsLayer(proj, attention)
 

@@ -1,0 +1,114 @@
+"""``zoo bench`` on the command line: the arguments, the presets (``--quick``), the settings they make, and the run
+spelled out as one explicit command for the report.
+
+Multi-word flags are spelled with underscores (``--output_dir``, the Hugging Face convention used by the
+fine-tune and compare recipes too); the hyphenated spelling (``--output-dir``) is accepted as an alias.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from zoo.bench.plan import DEFAULT_LENGTHS, DTYPES, BenchSettings, make_contestants, parse_variant_params
+from zoo.bench.report import write_outputs
+from zoo.bench.run import run_benchmark
+
+QUICK = {"lengths": [512, 1024], "repeats": 1, "warmup": 1, "error_length": 512, "roof_size": 1024,
+         "max_seconds": 20.0}
+NORMAL = {"lengths": DEFAULT_LENGTHS, "repeats": 3, "warmup": 1, "error_length": 1024, "roof_size": 2048,
+          "max_seconds": 120.0}
+
+
+def add_flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
+    """``--name_with_underscores``, with ``--name-with-hyphens`` accepted as an alias."""
+    flags = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+    parser.add_argument(*flags, **kwargs)
+
+
+def add_subcommand(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="measure time, memory, GFLOP/s and error of every variant and the peers against n",
+        description="Measure time, peak memory, GFLOP/s and error of one attention layer with its q/k/v "
+        "projections, for every registered variant and the peers, against the sequence length n. "
+        "Multi-word flags also take hyphens (--output-dir = --output_dir).",
+    )
+    # what runs
+    add_flag(p, "variants", nargs="+", help="variants and peers to run (default: all registered + peers)")
+    add_flag(p, "variant_params", nargs="+", default=[], metavar="NAME.KEY=VALUE",
+             help="override a parameter, e.g. longformer.window=256 hf_bigbird.num_random_blocks=2")
+    add_flag(p, "lengths", nargs="+", type=int, help=f"sequence lengths (default {DEFAULT_LENGTHS})")
+    # the measured layer
+    add_flag(p, "hidden", type=int, default=768)
+    add_flag(p, "heads", type=int, default=12)
+    add_flag(p, "batch", type=int, default=1)
+    add_flag(p, "dtype", choices=sorted(DTYPES), default="fp32")
+    add_flag(p, "mode", choices=["fwd", "fwd+bwd"], default="fwd+bwd")
+    add_flag(p, "causal", action="store_true", help="causal attention (the transformers peers are skipped)")
+    add_flag(p, "dropout", type=float, default=0.0, metavar="P",
+             help="attention dropout P: the layer runs in training mode; contestants without dropout are "
+             "skipped with a note (default 0)")
+    # how it is measured
+    add_flag(p, "device", choices=["cpu", "cuda"], default="cpu")
+    add_flag(p, "threads", type=int, default=None, help="torch threads (default: torch's default here)")
+    add_flag(p, "repeats", type=int, help="timed iterations per measurement (default 3; quick 1)")
+    add_flag(p, "warmup", type=int, help="untimed iterations first (default 1)")
+    add_flag(p, "max_seconds", type=float,
+             help="skip a combination whose estimated time for one iteration exceeds this (default 120)")
+    add_flag(p, "error_length", type=int, help="n at which the error against dense is measured (default 1024)")
+    add_flag(p, "roof_size", type=int, help="size of the square matmul measuring the roof (default 2048)")
+    add_flag(p, "quick", action="store_true", help="n in {512, 1024}, one repeat: under a minute")
+    # output
+    add_flag(p, "output_dir", type=Path, default=Path("runs/bench"), help="default: runs/bench")
+    add_flag(p, "no_progress", action="store_true")
+    p.set_defaults(func=cmd_bench)
+
+
+def settings_from_args(args: argparse.Namespace) -> BenchSettings:
+    preset = QUICK if args.quick else NORMAL
+    pick = {key: getattr(args, key) if getattr(args, key) is not None else preset[key] for key in preset}
+    return BenchSettings(
+        hidden=args.hidden, heads=args.heads, batch=args.batch, dtype=args.dtype, mode=args.mode, causal=args.causal,
+        device=args.device, threads=args.threads or torch.get_num_threads(), dropout=args.dropout, **pick,
+    )
+
+
+def command_line(settings: BenchSettings, args: argparse.Namespace) -> str:
+    """The run as one explicit command (every setting spelled out), for the report."""
+    parts = ["zoo bench"]
+    if args.variants:
+        parts.append("--variants " + " ".join(args.variants))
+    parts.append("--lengths " + " ".join(map(str, settings.lengths)))
+    parts.append(f"--hidden {settings.hidden} --heads {settings.heads} --batch {settings.batch}")
+    parts.append(f"--dtype {settings.dtype} --mode {settings.mode} --device {settings.device}")
+    parts.append(f"--threads {settings.threads} --repeats {settings.repeats} --warmup {settings.warmup}")
+    parts.append(f"--max_seconds {settings.max_seconds:g} --error_length {settings.error_length}")
+    if settings.causal:
+        parts.append("--causal")
+    if settings.dropout:
+        parts.append(f"--dropout {settings.dropout:g}")
+    if args.variant_params:
+        parts.append("--variant_params " + " ".join(args.variant_params))
+    parts.append(f"--output_dir {args.output_dir}")
+    return " ".join(parts)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(args)
+        settings.check()
+        contestants = make_contestants(args.variants, parse_variant_params(args.variant_params))
+    except ValueError as exc:  # VariantParameterError included
+        print(str(exc), file=sys.stderr)
+        return 2
+    report = run_benchmark(settings, contestants, progress=not args.no_progress)
+    paths = write_outputs(report, args.output_dir, command_line(settings, args))
+    failed = sorted({r["variant"] for r in report["rows"] if r["status"] == "error"})
+    print(f"zoo bench: wrote {', '.join(str(p) for p in paths.values())}")
+    if failed:
+        print(f"zoo bench: errors recorded for {', '.join(failed)} (see the note column)")
+    return 0
