@@ -180,9 +180,9 @@ class BigBirdAttention(Variant):
         self._layouts: OrderedDict[tuple, BlockLayout] = OrderedDict()
 
     def check_config(self) -> None:
-        if self.config["window_blocks"] % 2 == 0:
+        if self.window_blocks % 2 == 0:
             raise VariantParameterError(
-                f"attention-zoo variant 'bigbird': parameter 'window_blocks' = {self.config['window_blocks']} is "
+                f"attention-zoo variant 'bigbird': parameter 'window_blocks' = {self.window_blocks} is "
                 "invalid; allowed: an odd number (the block itself and as many blocks on each side), e.g. 3."
             )
 

@@ -1,5 +1,6 @@
 """``sparse_transformer``: the factorized patterns of Child et al. 2019, "Generating Long Sequences with Sparse
-Transformers", with stride l (``stride``) and c summary columns (``num_summary``).
+Transformers", with stride l (``stride``) and c summary columns (``num_summary``). ``layout`` picks the pattern
+(``'strided'`` or ``'fixed'``); it was called ``pattern`` in 0.1.0, a name still accepted (``renamed_params``).
 
 The paper splits each pattern into two heads (or two interleaved layers); here one attention uses the **union**
 of the two heads' key sets, in one softmax per query (causality and padding applied on top):
@@ -47,15 +48,16 @@ class SparseTransformerAttention(Variant):
     time_complexity = "O(n·(l + n/l)) = O(n·√n) at l ≈ √n"
     memory_complexity = "O(n·(l + n/l))"
     params = {
-        "pattern": Param("strided", str, "'strided' (local ∪ every l-th) or 'fixed' (block ∪ summaries)",
-                         choices=("strided", "fixed")),
+        "layout": Param("strided", str, "'strided' (local ∪ every l-th) or 'fixed' (block ∪ summaries)",
+                        choices=("strided", "fixed")),
         "stride": Param(128, int, "l: local width and column period", min=2),
         "num_summary": Param(8, int, "c: summary columns at the end of each block ('fixed' only)", min=1),
     }
     test_params = {"stride": 8, "num_summary": 2}
+    renamed_params = {"pattern": "layout"}  # until 0.1.0 (it lost to the pattern() method)
 
     def check_config(self) -> None:
-        if self.config["pattern"] == "fixed" and self.num_summary > self.stride:
+        if self.layout == "fixed" and self.num_summary > self.stride:
             raise VariantParameterError(
                 f"attention-zoo variant 'sparse_transformer': parameter 'num_summary' = {self.num_summary} must be "
                 f"<= 'stride' = {self.stride} (a block of l tokens has at most l summary columns)."
@@ -66,7 +68,7 @@ class SparseTransformerAttention(Variant):
 
     def pattern(self, call: AttentionCall, q_len: int, kv_len: int):
         stride, summary = self.stride, self.num_summary
-        if self.config["pattern"] == "strided":
+        if self.layout == "strided":
             def strided(batch_idx, head_idx, q_idx, kv_idx):
                 return ((q_idx - kv_idx).abs() < stride) | ((q_idx - kv_idx) % stride == 0)
 
@@ -83,7 +85,7 @@ class SparseTransformerAttention(Variant):
         if n <= stride:
             return 4.0 * n * n * heads * head_dim
         rows = math.ceil(n / stride)
-        if self.config["pattern"] == "strided":
+        if self.layout == "strided":
             block = _local_block(stride)
             keys_per_query = _band_reach(stride, block) * (1 if causal else 2) + block + rows
         else:
@@ -101,7 +103,7 @@ class SparseTransformerAttention(Variant):
             return _full_attention(q, k, v, call)
         key_real = _key_real(call.padding_mask, n, self.stride, q.device)
         q, k, v = (pad_to_multiple(x, self.stride) for x in (q, k, v))
-        if self.config["pattern"] == "strided":
+        if self.layout == "strided":
             parts = _strided_parts(q, k, v, key_real, call.causal, self.stride)
         else:
             parts = _fixed_parts(q, k, v, key_real, call.causal, self.stride, self.num_summary)

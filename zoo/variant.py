@@ -13,11 +13,14 @@ scaling and dropout. The kernel returns ``(batch, heads, q_len, head_dim)``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 IndexPredicate = Callable[[Any, Any, Any, Any], Any]
 
@@ -101,6 +104,9 @@ def _type_name(t: type | tuple[type, ...]) -> str:
     return t.__name__
 
 
+_INSTANCE_MEMBERS = ("config",)  # set in Variant.__init__, not on the class
+
+
 @dataclass
 class AttentionCall:
     """Everything about one attention call except q/k/v.
@@ -131,7 +137,12 @@ class Variant:
     * ``exact`` -- True if the output equals softmax attention restricted to ``pattern`` (fp32, atol 1e-5).
     * ``supports_causal`` / ``supports_bidirectional``.
     * ``time_complexity`` / ``memory_complexity`` -- in n (sequence length), e.g. ``"O(n·w)"``.
-    * ``params`` -- ``{name: Param}``; validated at :func:`zoo.configure` time.
+    * ``params`` -- ``{name: Param}``; validated at :func:`zoo.configure` time. Read a parameter as an attribute
+      (``self.window``), a ``per_layer`` one with :meth:`per_layer`. A parameter may not be named like a member
+      of the class (``name``, ``exact``, ``flops``, ``pattern``, ``config``, a method of your own...): that is
+      an error when the class is defined.
+    * ``renamed_params`` -- ``{old name: new name}`` for parameters renamed since models were saved: an old name
+      is accepted (and logged) wherever parameters are given, so saved configs keep loading.
     * ``supports_dropout`` -- if False, attention dropout > 0 in training raises a clear error.
     * ``error_bound`` -- approximate variants: the max relative error (Frobenius norm of the
       difference over the norm of the reference) at default parameters on the contract suite's inputs.
@@ -152,8 +163,48 @@ class Variant:
     # Parameters the contract suite uses so its small inputs exercise the pattern (e.g. a window of
     # 8 at n=64 instead of 512). Plugin authors set these for their own variant.
     test_params: ClassVar[dict[str, Any]] = {}
+    renamed_params: ClassVar[dict[str, str]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for pname in cls.params:
+            owner = next((c for c in reversed(cls.__mro__) if pname in vars(c)), None)  # the first to define it
+            if owner is not None or pname in _INSTANCE_MEMBERS:
+                member = f"{(owner or Variant).__name__}.{pname}"
+                raise TypeError(
+                    f"attention-zoo variant class {cls.__name__}: parameter {pname!r} has the name of the member "
+                    f"{member}, so `self.{pname}` would not return the parameter. Rename the parameter (e.g. "
+                    f"{pname + '_value'!r}); if models were saved with the old name, also declare "
+                    f"renamed_params = {{{pname!r}: <new name>}} so they keep loading."
+                )
+        for old, new in cls.renamed_params.items():
+            if old in cls.params or new not in cls.params:
+                raise TypeError(
+                    f"attention-zoo variant class {cls.__name__}: renamed_params {{{old!r}: {new!r}}} must map an old "
+                    f"name that is no longer a parameter to a current one (parameters: {', '.join(cls.params)})."
+                )
+
+    @classmethod
+    def _with_current_names(cls, params: dict[str, Any]) -> dict[str, Any]:
+        """``params`` with old names (``renamed_params``) replaced by the current ones, one log line each."""
+        params = dict(params)
+        for old, new in cls.renamed_params.items():
+            if old not in params:
+                continue
+            if new in params:
+                raise VariantParameterError(
+                    f"attention-zoo variant {cls.name!r}: got both {old!r} and {new!r}, which is its new name; "
+                    f"pass only {new!r}."
+                )
+            params[new] = params.pop(old)
+            logger.warning(
+                "attention-zoo variant %r: parameter %r is now called %r; using %s=%r (pass %r to drop this message).",
+                cls.name, old, new, new, params[new], new,
+            )
+        return params
 
     def __init__(self, **params: Any) -> None:
+        params = self._with_current_names(params)
         unknown = sorted(set(params) - set(self.params))
         if unknown:
             known = ", ".join(sorted(self.params)) or "none"

@@ -5,7 +5,8 @@ padding with holes, KV-cache steps, no n x n intermediate, and the fixed pattern
 
 from __future__ import annotations
 
-import tempfile
+import json
+import logging
 
 import pytest
 import torch
@@ -13,30 +14,22 @@ import transformers
 
 import zoo
 from zoo.variants.sparse_transformer import SparseTransformerAttention
-from zoo.contract import LargestAllocation
+from zoo import testing
 from zoo.hf import run_variant
 from zoo.ops import allowed_mask, softmax_attention
+from zoo.testing import assert_memory_below_quadratic, assert_reloads_identically, reference
 from zoo.variant import AttentionCall, VariantParameterError
 
 HEADS, HEAD_DIM = 2, 8
 
 
 def make_call(causal=False, padding_mask=None, **kwargs) -> AttentionCall:
-    return AttentionCall(causal=causal, scaling=HEAD_DIM**-0.5, padding_mask=padding_mask, **kwargs)
+    return testing.make_call(causal, padding_mask, head_dim=HEAD_DIM, **kwargs)
 
 
 def qkv(batch: int, n: int, dtype=torch.float32, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(batch, HEADS, n, HEAD_DIM, generator=gen, dtype=dtype).requires_grad_() for _ in range(3)]
-
-
-def reference(variant, q, k, v, call):
-    pattern = variant.pattern(call, q.shape[-2], k.shape[-2])
-    allowed = allowed_mask(call, pattern, q.shape[0], q.shape[1], q.shape[-2], k.shape[-2])
-    out = softmax_attention(q, k, v, allowed, call.scaling)
-    if call.padding_mask is not None:
-        out = out.masked_fill(~call.padding_mask[:, None, :, None], 0.0)
-    return out
 
 
 def padding(kind: str, batch: int, n: int) -> torch.Tensor | None:
@@ -82,7 +75,7 @@ def paper_keys(pattern: str, i: int, n: int, stride: int, summary: int) -> set[i
 @pytest.mark.parametrize("pattern", ["strided", "fixed"])
 def test_pattern_is_the_union_of_the_papers_two_heads(pattern):
     n, stride, summary = 40, 6, 2
-    variant = SparseTransformerAttention(pattern=pattern, stride=stride, num_summary=summary)
+    variant = SparseTransformerAttention(layout=pattern, stride=stride, num_summary=summary)
     predicate = variant.pattern(make_call(), n, n)
     q_idx, kv_idx = torch.arange(n)[:, None], torch.arange(n)[None, :]
     mask = predicate(None, None, q_idx, kv_idx)
@@ -91,17 +84,17 @@ def test_pattern_is_the_union_of_the_papers_two_heads(pattern):
 
 
 def test_a_worked_example():
-    strided = SparseTransformerAttention(pattern="strided", stride=4).pattern(make_call(), 20, 20)
+    strided = SparseTransformerAttention(layout="strided", stride=4).pattern(make_call(), 20, 20)
     keys = strided(None, None, torch.tensor(9), torch.arange(20)).nonzero().flatten().tolist()
     assert keys == [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 17]
-    fixed = SparseTransformerAttention(pattern="fixed", stride=4, num_summary=1).pattern(make_call(), 20, 20)
+    fixed = SparseTransformerAttention(layout="fixed", stride=4, num_summary=1).pattern(make_call(), 20, 20)
     keys = fixed(None, None, torch.tensor(9), torch.arange(20)).nonzero().flatten().tolist()
     assert keys == [3, 7, 8, 9, 10, 11, 15, 19]
 
 
 def test_num_summary_larger_than_the_stride_is_refused():
     with pytest.raises(VariantParameterError, match="num_summary"):
-        SparseTransformerAttention(pattern="fixed", stride=4, num_summary=5)
+        SparseTransformerAttention(layout="fixed", stride=4, num_summary=5)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -113,7 +106,7 @@ def test_num_summary_larger_than_the_stride_is_refused():
 @pytest.mark.parametrize("n", [64, 77])
 @pytest.mark.parametrize("kind", ["none", "right", "left", "holes"])
 def test_flash_path_equals_the_reference(pattern, causal, n, kind):
-    variant = SparseTransformerAttention(pattern=pattern, stride=8, num_summary=3)
+    variant = SparseTransformerAttention(layout=pattern, stride=8, num_summary=3)
     q, k, v = qkv(3, n)
     assert_same_output_and_gradients(variant, q, k, v, make_call(causal, padding(kind, 3, n)), atol=1e-5)
 
@@ -125,7 +118,7 @@ def test_gathered_parts_in_small_chunks_equal_the_reference(pattern, causal, chu
     """The strided band and the fixed summaries run chunk by chunk (zoo.ops.gathered): one query block per
     chunk, or a few."""
     monkeypatch.setattr("zoo.ops.gathered.GATHER_CHUNK_ELEMENTS", chunk)
-    variant = SparseTransformerAttention(pattern=pattern, stride=8, num_summary=3)
+    variant = SparseTransformerAttention(layout=pattern, stride=8, num_summary=3)
     q, k, v = qkv(3, 77)
     assert_same_output_and_gradients(variant, q, k, v, make_call(causal, padding("holes", 3, 77)), atol=1e-5)
 
@@ -134,7 +127,7 @@ def test_gathered_parts_in_small_chunks_equal_the_reference(pattern, causal, chu
 @pytest.mark.parametrize("causal", [False, True])
 def test_materialized_path_equals_the_reference(pattern, causal):
     """float64 takes the path that CUDA and dropout use (per-group scores, one shared softmax)."""
-    variant = SparseTransformerAttention(pattern=pattern, stride=16, num_summary=4)
+    variant = SparseTransformerAttention(layout=pattern, stride=16, num_summary=4)
     q, k, v = qkv(3, 150, dtype=torch.float64)
     # the reference computes in fp32
     assert_same_output_and_gradients(variant, q, k, v, make_call(causal, padding("holes", 3, 150)), atol=1e-5)
@@ -153,7 +146,7 @@ def test_dropout_drops_probabilities_and_keeps_the_normalizer():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n", [1, 5, 16])
 def test_inputs_up_to_the_stride_are_full_attention(pattern, causal, n):
-    variant = SparseTransformerAttention(pattern=pattern, stride=16, num_summary=4)
+    variant = SparseTransformerAttention(layout=pattern, stride=16, num_summary=4)
     q, k, v = qkv(2, n)
     mask = torch.ones(2, n, dtype=torch.bool)
     mask[1, n // 2 + 1 :] = False
@@ -165,7 +158,7 @@ def test_inputs_up_to_the_stride_are_full_attention(pattern, causal, n):
 
 @pytest.mark.parametrize("pattern", ["strided", "fixed"])
 def test_kv_cache_steps_equal_the_last_rows_of_the_full_forward(pattern):
-    variant = SparseTransformerAttention(pattern=pattern, stride=8, num_summary=2)
+    variant = SparseTransformerAttention(layout=pattern, stride=8, num_summary=2)
     q, k, v = (x.detach() for x in qkv(2, 70))
     mask = torch.ones(2, 70, dtype=torch.bool)
     mask[1, :9] = False  # left padding, as in generation
@@ -180,16 +173,10 @@ def test_kv_cache_steps_equal_the_last_rows_of_the_full_forward(pattern):
 # cost
 
 
-@pytest.mark.parametrize("pattern", ["strided", "fixed"])
-@pytest.mark.parametrize("causal", [False, True])
-def test_no_n_by_n_intermediate_at_4096(pattern, causal):
-    n = 4096
-    variant = SparseTransformerAttention(pattern=pattern)  # default stride 128 = 2·√n
-    q, k, v = qkv(1, n)
-    probe = LargestAllocation()
-    with probe:
-        run_variant(variant, q, k, v, make_call(causal)).sum().backward()
-    assert 0 < probe.largest < n * n / 8, f"an intermediate of {probe.largest} elements (n x n = {n * n})"
+@pytest.mark.parametrize("layout", ["strided", "fixed"])
+def test_no_n_by_n_intermediate_at_4096(layout):
+    """Both layouts, both modes, forward and backward (the contract suite checks the default layout only)."""
+    assert_memory_below_quadratic(SparseTransformerAttention(layout=layout))  # default stride 128 = 2·√n
 
 
 def test_flops_grow_as_n_to_the_1_5_at_stride_root_n():
@@ -209,7 +196,7 @@ def test_fixed_pattern_in_llama_with_padding_backward_and_reload():
         vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=64, attention_dropout=0.0, pad_token_id=0,
     )
-    zoo.configure(config, "sparse_transformer", pattern="fixed", stride=16, num_summary=4)
+    zoo.configure(config, "sparse_transformer", layout="fixed", stride=16, num_summary=4)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     ids = torch.randint(3, 64, (2, 90))
@@ -219,9 +206,27 @@ def test_fixed_pattern_in_llama_with_padding_backward_and_reload():
     model.train()
     model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
-    model.eval()
-    with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(tmp)
-        reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp).eval()
-    assert reloaded.config.attention_zoo["params"] == {"pattern": "fixed", "stride": 16, "num_summary": 4}
+    reloaded = assert_reloads_identically(model, {"input_ids": ids, "attention_mask": mask})
+    assert reloaded.config.attention_zoo["params"] == {"layout": "fixed", "stride": 16, "num_summary": 4}
     torch.testing.assert_close(reloaded(input_ids=ids, attention_mask=mask).logits, logits)
+
+
+def test_configs_saved_with_the_old_parameter_name_pattern_load_with_that_layout(tmp_path, caplog):
+    """Until 0.1.0 the layout parameter was called ``pattern`` (shadowed by the pattern() method)."""
+    config = testing.tiny_model_config("bert", "sparse_transformer", layout="fixed", stride=8, num_summary=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(config).eval()
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved["attention_zoo"]["params"] = {"pattern": "fixed", "stride": 8, "num_summary": 2}
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with caplog.at_level(logging.WARNING, logger="zoo.variant"):
+        old = transformers.AutoModel.from_pretrained(tmp_path).eval()
+    assert zoo.variant_for(old.config).layout == "fixed"
+    renamed = [r.getMessage() for r in caplog.records if r.name == "zoo.variant"]
+    assert len(renamed) == 1 and "'pattern' is now called 'layout'" in renamed[0], renamed
+    ids, mask = testing.model_inputs()
+    torch.testing.assert_close(old(input_ids=ids, attention_mask=mask)[0], model(input_ids=ids, attention_mask=mask)[0])
+    assert SparseTransformerAttention(pattern="fixed").config == SparseTransformerAttention(layout="fixed").config
+    with pytest.raises(VariantParameterError, match="got both 'pattern' and 'layout'"):
+        SparseTransformerAttention(pattern="fixed", layout="strided")
