@@ -19,6 +19,7 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 from zoo.registry import IN_PROCESS
+from zoo.reporting import markdown_table, significant
 
 CARD_NAME = "README.md"
 CONFIG_NAME = "config.json"
@@ -230,9 +231,9 @@ def _results_section(results: dict[str, Any]) -> str:
     metrics = results.get("metrics") or {}
     if not metrics:
         return ""
-    rows = "".join(f"| {key} | {_fmt(value)} |\n" for key, value in metrics.items())
+    table = "\n".join(markdown_table(["metric", "value"], [[key, significant(v)] for key, v in metrics.items()]))
     counts = f"{results.get('eval_examples', '?')} eval / {results.get('train_examples', '?')} train examples"
-    return f"## Results\n\n| metric | value |\n|---|---|\n{rows}\n{counts}, max_length {results.get('max_length')}."
+    return f"## Results\n\n{table}\n\n{counts}, max_length {results.get('max_length')}."
 
 
 def _speed_section(results: dict[str, Any]) -> str:
@@ -245,9 +246,8 @@ def _speed_section(results: dict[str, Any]) -> str:
     }
     if not any(results.get(k) is not None for k in columns):
         return ""
-    header = "| " + " | ".join(columns.values()) + " |\n|" + "---|" * len(columns) + "\n"
-    row = "| " + " | ".join(_fmt(results.get(k)) for k in columns) + " |"
-    return f"## Speed and memory (measured during this fine-tune)\n\n{header}{row}"
+    table = markdown_table(list(columns.values()), [[significant(results.get(k)) for k in columns]])
+    return "## Speed and memory (measured during this fine-tune)\n\n" + "\n".join(table)
 
 
 def _training_section(results: dict[str, Any]) -> str:
@@ -263,12 +263,6 @@ def _training_section(results: dict[str, Any]) -> str:
     if results.get("config"):
         text += f"\nRecipe config as run:\n\n```yaml\n{yaml.safe_dump(results['config'], sort_keys=False)}```"
     return text
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
-    return "?" if value is None else str(value)
 
 
 # ---------------------------------------------------------------------------------------------------

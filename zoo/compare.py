@@ -28,7 +28,6 @@ Config keys::
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import re
@@ -45,6 +44,7 @@ from typing import Any
 import yaml
 from tqdm.auto import tqdm
 
+from zoo.reporting import fixed, markdown_table, pyplot, save_figure, write_csv
 from zoo.train import FinetuneConfig, check_known_keys, load_yaml, package_versions
 
 COMPARE_KEYS = ("output_dir", "launcher", "seeds", "timeout_minutes", "overrides", "variants", "tasks")
@@ -230,10 +230,6 @@ def summarize(rows: list[dict]) -> list[dict]:
     return summary
 
 
-def fmt(value: Any, digits: int = 0) -> str:
-    return "–" if value is None else f"{value:,.{digits}f}"
-
-
 def markdown_report(cfg: dict, summary: list[dict], config_path: str, minutes: float) -> str:
     packages = ", ".join(f"{k} {v}" for k, v in package_versions().items())
     lines = [
@@ -245,22 +241,18 @@ def markdown_report(cfg: dict, summary: list[dict], config_path: str, minutes: f
         "non-padding tokens over all processes; peak memory is the largest process's (CPU: max RSS; GPU: peak "
         "allocation).",
     ]
+    header = ["variant", "params", "max_length", "accuracy", "macro-F1", "train tok/s", "eval tok/s", "peak MB",
+              "wall s", "status"]
     for task in dict.fromkeys(r["task"] for r in summary):
         lines += ["", f"## {task}", ""]
-        lines += [
-            "| variant | params | max_length | accuracy | macro-F1 | train tok/s | eval tok/s | peak MB | wall s "
-            "| status |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
-        ]
+        table = []
         for r in (r for r in summary if r["task"] == task):
             params = ", ".join(f"{k}={v}" for k, v in r["variant_params"].items()) or "–"
             acc = "–" if r["eval_accuracy"] is None else f"{r['eval_accuracy']:.3f} ± {r['eval_accuracy_std']:.3f}"
             f1 = "–" if r["eval_macro_f1"] is None else f"{r['eval_macro_f1']:.3f} ± {r['eval_macro_f1_std']:.3f}"
-            lines.append(
-                f"| {r['name']} | {params} | {r['max_length']} | {acc} | {f1} | {fmt(r['train_tokens_per_second'])} "
-                f"| {fmt(r['eval_tokens_per_second'])} | {fmt(r['peak_memory_mb'])} | {fmt(r['wall_time_seconds'])} "
-                f"| {r['status']} |"
-            )
+            speeds = [fixed(r[key], 0, grouping=True) for key in SPEED_COLUMNS]
+            table.append([r["name"], params, r["max_length"], acc, f1, *speeds, r["status"]])
+        lines += markdown_table(header, table, align="llrrrrrrrl")
         notes = [r for r in summary if r["task"] == task and r["error"]]
         if notes:
             lines += ["", "Failures and notes:", ""]
@@ -274,11 +266,7 @@ def plot_name(kind: str, task: str) -> str:
 
 
 def write_plots(summary: list[dict], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     for task in dict.fromkeys(r["task"] for r in summary):
         rows = [r for r in summary if r["task"] == task]
         done = [r for r in rows if r["status"] == "ok" or r["eval_accuracy"] is not None]
@@ -293,9 +281,7 @@ def write_plots(summary: list[dict], out: Path) -> None:
                 ax.annotate(r["name"], (x, y), ha="center", fontsize=9)
         title = f"{task}: accuracy vs speed (area: peak memory)"
         ax.set(xlabel="training tokens / second", ylabel="accuracy", title=title)
-        fig.tight_layout()
-        fig.savefig(out / plot_name("lra", task), dpi=120)
-        plt.close(fig)
+        save_figure(fig, out / plot_name("lra", task))
 
         fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(rows) + 2), 4))
         names = [r["name"] for r in rows]
@@ -308,9 +294,7 @@ def write_plots(summary: list[dict], out: Path) -> None:
                 ax.text(i, 0.01, r["status"], ha="center", va="bottom", rotation=90, fontsize=8)
         ax.set(ylabel="accuracy", title=f"{task}: accuracy per variant")
         ax.tick_params(axis="x", rotation=30)
-        fig.tight_layout()
-        fig.savefig(out / plot_name("accuracy", task), dpi=120)
-        plt.close(fig)
+        save_figure(fig, out / plot_name("accuracy", task))
 
 
 def write_report(cfg: dict, rows: list[dict], out: Path, config_path: str, minutes: float) -> list[dict]:
@@ -318,10 +302,8 @@ def write_report(cfg: dict, rows: list[dict], out: Path, config_path: str, minut
     (out / "results.json").write_text(
         json.dumps({"config": cfg, "packages": package_versions(), "runs": rows, "summary": summary}, indent=2) + "\n"
     )
-    with open(out / "results.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows({**r, "variant_params": json.dumps(r["variant_params"])} for r in rows)
+    csv_rows = [{**r, "variant_params": json.dumps(r["variant_params"])} for r in rows]
+    write_csv(out / "results.csv", csv_rows, list(rows[0]))
     write_plots(summary, out)
     (out / "results.md").write_text(markdown_report(cfg, summary, config_path, minutes))
     return summary
@@ -364,7 +346,7 @@ def compare(config_path: str, output_dir: str | None = None, overwrite: bool = F
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Compare attention-zoo variants: one fine-tune per variant.")
     parser.add_argument("config", help="compare config, e.g. recipes/configs/compare_default.yaml")
-    parser.add_argument("--output_dir", help="overrides the config's output_dir")
+    parser.add_argument("--output_dir", "--output-dir", help="overrides the config's output_dir")
     parser.add_argument("--overwrite", action="store_true", help="replace a comparison already in output_dir")
     args = parser.parse_args(argv)
     compare(args.config, args.output_dir, args.overwrite)

