@@ -284,3 +284,32 @@ def test_dropout_runs_in_training_mode_and_skips_contestants_without_it(tmp_path
     markdown = (tmp_path / "bench.md").read_text()
     assert "fwd+bwd with attention dropout 0.1 (training mode)" in markdown
     assert "(eval mode: no dropout)" in markdown
+
+
+# ---------------------------------------------------------------------------------------------------
+# zoo bench --decode
+
+
+def test_decode_measures_per_token_time_and_cache_bytes_through_generate():
+    from zoo.bench.decode import DecodeContestant, DecodeSettings, measure_decode
+
+    settings = DecodeSettings(lengths=[48], new_tokens=4, window=16, hidden=32, heads=2, kv_heads=1)
+    dense = measure_decode(DecodeContestant("transformers_sdpa", "peer"), settings, 48)
+    mistral = measure_decode(DecodeContestant("mistral_sliding_window", "peer"), settings, 48)
+    assert dense["ms_per_token"] > 0 and dense["first_token_s"] > 0
+    # 2 layers x (k + v) x 1 kv head x 32/2 dims x fp32 per token seen (prompt + 3 fed tokens)
+    assert dense["cache_bytes"] == 2 * 2 * 1 * 16 * 4 * (48 + 3)
+    assert mistral["cache_bytes"] < dense["cache_bytes"] / 2  # the sliding window keeps about 16 keys
+
+
+def test_decode_cli_refuses_a_variant_without_causal_support_and_writes_reports(tmp_path, capsys):
+    from zoo.cli import main
+
+    assert main(["bench", "--decode", "--variants", "no_such_variant", "--output_dir", str(tmp_path)]) == 2
+    assert "neither a causal variant" in capsys.readouterr().err
+    code = main(["bench", "--decode", "--variants", "transformers_sdpa", "sdpa", "--lengths", "40", "64",
+                 "--new_tokens", "3", "--hidden", "32", "--heads", "2", "--output-dir", str(tmp_path), "--no_progress"])
+    assert code == 0
+    text = (tmp_path / "decode.md").read_text()
+    assert "Milliseconds per generated token" in text and "vs transformers_sdpa" in text
+    assert (tmp_path / "decode_ms_per_token.png").stat().st_size > 0

@@ -13,6 +13,13 @@ from pathlib import Path
 
 import torch
 
+from zoo.bench.decode import (
+    DECODE_LENGTHS,
+    DecodeSettings,
+    decode_contestants,
+    run_decode_benchmark,
+    write_decode_outputs,
+)
 from zoo.bench.plan import DEFAULT_LENGTHS, DTYPES, BenchSettings, make_contestants, parse_variant_params
 from zoo.bench.report import write_outputs
 from zoo.bench.run import run_benchmark
@@ -43,8 +50,8 @@ def add_subcommand(subparsers) -> None:
              help="override a parameter, e.g. longformer.window=256 hf_bigbird.num_random_blocks=2")
     add_flag(p, "lengths", nargs="+", type=int, help=f"sequence lengths (default {DEFAULT_LENGTHS})")
     # the measured layer
-    add_flag(p, "hidden", type=int, default=768)
-    add_flag(p, "heads", type=int, default=12)
+    add_flag(p, "hidden", type=int, help="hidden size (default 768; --decode: 256)")
+    add_flag(p, "heads", type=int, help="attention heads (default 12; --decode: 4)")
     add_flag(p, "batch", type=int, default=1)
     add_flag(p, "dtype", choices=sorted(DTYPES), default="fp32")
     add_flag(p, "mode", choices=["fwd", "fwd+bwd"], default="fwd+bwd")
@@ -62,8 +69,17 @@ def add_subcommand(subparsers) -> None:
     add_flag(p, "error_length", type=int, help="n at which the error against dense is measured (default 1024)")
     add_flag(p, "roof_size", type=int, help="size of the square matmul measuring the roof (default 2048)")
     add_flag(p, "quick", action="store_true", help="n in {512, 1024}, one repeat: under a minute")
+    # decoding
+    add_flag(p, "decode", action="store_true",
+             help="measure per-token decode latency and cache bytes of a tiny Llama through model.generate "
+             f"against the prompt length (default lengths {DECODE_LENGTHS}), with transformers' SDPA and Mistral "
+             "sliding-window caches as peers")
+    add_flag(p, "new_tokens", type=int, default=32, help="--decode: tokens generated per measurement (default 32)")
+    add_flag(p, "window", type=int, default=512,
+             help="--decode: keys a windowed contestant keeps (Mistral sliding_window, xformers window, causal "
+             "longformer window/2 + 4 sink tokens; default 512)")
     # output
-    add_flag(p, "output_dir", type=Path, default=Path("runs/bench"), help="default: runs/bench")
+    add_flag(p, "output_dir", type=Path, help="default: runs/bench (--decode: runs/bench-decode)")
     add_flag(p, "no_progress", action="store_true")
     p.set_defaults(func=cmd_bench)
 
@@ -72,8 +88,9 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     preset = QUICK if args.quick else NORMAL
     pick = {key: getattr(args, key) if getattr(args, key) is not None else preset[key] for key in preset}
     return BenchSettings(
-        hidden=args.hidden, heads=args.heads, batch=args.batch, dtype=args.dtype, mode=args.mode, causal=args.causal,
-        device=args.device, threads=args.threads or torch.get_num_threads(), dropout=args.dropout, **pick,
+        hidden=args.hidden or 768, heads=args.heads or 12, batch=args.batch, dtype=args.dtype, mode=args.mode,
+        causal=args.causal, device=args.device, threads=args.threads or torch.get_num_threads(),
+        dropout=args.dropout, **pick,
     )
 
 
@@ -97,7 +114,46 @@ def command_line(settings: BenchSettings, args: argparse.Namespace) -> str:
     return " ".join(parts)
 
 
+def decode_settings_from_args(args: argparse.Namespace) -> DecodeSettings:
+    defaults = DecodeSettings()
+    return DecodeSettings(
+        lengths=args.lengths or ([512, 1024] if args.quick else defaults.lengths), new_tokens=args.new_tokens,
+        window=args.window, hidden=args.hidden or defaults.hidden, heads=args.heads or defaults.heads,
+        kv_heads=min(defaults.kv_heads, args.heads or defaults.heads), batch=args.batch, device=args.device,
+        threads=args.threads or torch.get_num_threads(), max_seconds=args.max_seconds or defaults.max_seconds,
+    )
+
+
+def decode_command_line(settings: DecodeSettings, args: argparse.Namespace) -> str:
+    parts = ["zoo bench --decode"]
+    if args.variants:
+        parts.append("--variants " + " ".join(args.variants))
+    parts.append("--lengths " + " ".join(map(str, settings.lengths)))
+    parts.append(f"--new_tokens {settings.new_tokens} --window {settings.window} --hidden {settings.hidden}")
+    parts.append(f"--heads {settings.heads} --batch {settings.batch} --threads {settings.threads}")
+    parts.append(f"--max_seconds {settings.max_seconds:g} --output_dir {args.output_dir}")
+    return " ".join(parts)
+
+
+def cmd_decode(args: argparse.Namespace) -> int:
+    args.output_dir = args.output_dir or Path("runs/bench-decode")
+    try:
+        settings = decode_settings_from_args(args)
+        settings.check()
+        contestants = decode_contestants(args.variants, settings)
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    report = run_decode_benchmark(settings, contestants, progress=not args.no_progress)
+    paths = write_decode_outputs(report, args.output_dir, decode_command_line(settings, args))
+    print(f"zoo bench --decode: wrote {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.decode:
+        return cmd_decode(args)
+    args.output_dir = args.output_dir or Path("runs/bench")
     try:
         settings = settings_from_args(args)
         settings.check()
