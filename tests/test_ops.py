@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zoo.contract import make_call
 from zoo.hf import run_variant
 from zoo.registry import get_variant_class
+from zoo.testing import make_call
 
 
 @pytest.mark.parametrize("name", ["linear", "performer"])

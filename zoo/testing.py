@@ -163,20 +163,23 @@ def assert_matches_reference(variant: Variant, out, ref, what: str = "output") -
 
 
 class LargestAllocation(TorchDispatchMode):
-    """Records the largest storage (in elements) any op produces, forward and backward: tests use it to
-    show a sub-quadratic kernel never allocates anything of size n x n.
+    """Records the largest storage (in elements, ``largest``) and the longest dimension (``longest_dim``) of any
+    tensor an op produces, forward and backward: tests use it to show a sub-quadratic kernel never allocates
+    anything of size n x n (or pads a short input up to a window).
 
     ``with LargestAllocation() as probe: ...; probe.largest``."""
 
     def __init__(self):
         super().__init__()
         self.largest = 0
+        self.longest_dim = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.untyped_storage().nbytes() // t.element_size())
+                self.longest_dim = max(self.longest_dim, *t.shape, 0)
         return out
 
 
@@ -187,17 +190,18 @@ def declares_subquadratic_memory(cls: type[Variant] | Variant) -> bool:
 
 def largest_allocation(
     variant: Variant, n: int = MEMORY_CHECK_LENGTH, causal: bool = False, padded: bool = True, head_dim: int = 16,
-    batch: int = 1, heads: int = 1,
+    batch: int = 1, heads: int = 1, **call_fields,
 ) -> int:
     """Elements of the largest tensor one forward and backward of ``variant`` produces at length ``n``
-    (q/k/v (batch, heads, n, head_dim); ``padded``: the last n/16 tokens of the last row are padding)."""
+    (q/k/v (batch, heads, n, head_dim); ``padded``: the last n/16 tokens of the last row are padding;
+    ``call_fields``: other :class:`AttentionCall` fields, e.g. ``extra={"global_attention_mask": ...}``)."""
     q, k, v, _ = make_inputs(n=n, padding=None, batch=batch, heads=heads, head_dim=head_dim)
     mask = None
     if padded:
         mask = torch.ones(batch, n, dtype=torch.bool)
         mask[-1, n - n // 16 :] = False
     leaves = [x.requires_grad_() for x in (q, k, v)]
-    call = make_call(causal, mask, head_dim=head_dim)
+    call = make_call(causal, mask, head_dim=head_dim, **call_fields)
     with LargestAllocation() as probe:
         out = run_variant(variant, *leaves, call)
         out.sum().backward()

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
 
 import zoo
 from zoo.variants.longformer import LongformerAttention
+from zoo import testing
 from zoo.hf import run_variant
-from zoo.ops import allowed_mask, softmax_attention
+from zoo.testing import LargestAllocation, assert_memory_below_quadratic, reference
 from zoo.variant import AttentionCall, VariantParameterError
 
 HIDDEN, HEADS = 32, 4
@@ -22,7 +22,7 @@ HEAD_DIM = HIDDEN // HEADS
 
 
 def make_call(causal=False, padding_mask=None, **kwargs) -> AttentionCall:
-    return AttentionCall(causal=causal, scaling=HEAD_DIM**-0.5, padding_mask=padding_mask, **kwargs)
+    return testing.make_call(causal, padding_mask, head_dim=HEAD_DIM, **kwargs)
 
 
 def qkv(batch: int, n: int, seed: int = 0, heads: int = HEADS, head_dim: int = HEAD_DIM):
@@ -30,36 +30,10 @@ def qkv(batch: int, n: int, seed: int = 0, heads: int = HEADS, head_dim: int = H
     return [torch.randn(batch, heads, n, head_dim, generator=gen) for _ in range(3)]
 
 
-def reference(variant, q, k, v, call):
-    """Softmax attention restricted to the variant's pattern (O(n²), tests only); padded query rows zeroed."""
-    pattern = variant.pattern(call, q.shape[-2], k.shape[-2])
-    allowed = allowed_mask(call, pattern, q.shape[0], q.shape[1], q.shape[-2], k.shape[-2])
-    out = softmax_attention(q, k, v, allowed, call.scaling)
-    if call.padding_mask is not None:
-        out = out.masked_fill(~call.padding_mask[:, None, :, None], 0.0)
-    return out
-
-
 def padding(batch: int, n: int, real_in_last_row: int) -> torch.Tensor:
     mask = torch.ones(batch, n, dtype=torch.bool)
     mask[-1, real_in_last_row:] = False
     return mask
-
-
-class LargestTensor(TorchDispatchMode):
-    """Records the largest tensor (elements) and the longest dimension produced by any op run inside it."""
-
-    def __init__(self):
-        super().__init__()
-        self.numel, self.longest_dim = 0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.numel = max(self.numel, t.numel())
-                self.longest_dim = max([self.longest_dim, *t.shape])
-        return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -166,7 +140,7 @@ def test_short_inputs_are_never_padded_to_the_window(n, causal):
     variant = LongformerAttention(window=512)
     q, k, v = qkv(2, n)
     call = make_call(causal, padding(2, n, max(1, n - 3)))
-    with LargestTensor() as seen:
+    with LargestAllocation() as seen:
         out = run_variant(variant, q, k, v, call)
     torch.testing.assert_close(out, reference(variant, q, k, v, call), atol=1e-5, rtol=1e-4)
     assert seen.longest_dim <= max(n + 1, HEAD_DIM), f"n={n}: a tensor of length {seen.longest_dim} was built"
@@ -307,16 +281,11 @@ def test_llama_generation_with_cache_equals_generation_without():
 
 
 def test_no_n_by_n_intermediate_at_4096():
+    """A smaller window than the contract suite's default one, with the per-batch global_attention_mask too."""
     n = 4096
-    variant = LongformerAttention(window=256)
-    leaves = [x.requires_grad_() for x in qkv(1, n, heads=2, head_dim=16)]
-    with LargestTensor() as seen:
-        out = run_variant(variant, *leaves, make_call(padding_mask=padding(1, n, n - 100)))
-        out.sum().backward()
-    assert seen.numel < n * n / 8, f"an intermediate of {seen.numel} elements (n*n = {n * n})"
-    with LargestTensor() as dense:  # the probe does see an n x n tensor when one is built
-        run_variant(zoo.get_variant_class("dense")(), *(x.detach()[..., :1024, :] for x in leaves), make_call())
-    assert dense.numel >= 1024 * 1024
+    every_512th = torch.zeros(1, n, dtype=torch.long)
+    every_512th[0, ::512] = 1
+    assert_memory_below_quadratic(LongformerAttention(window=256), n, extra={"global_attention_mask": every_512th})
 
 
 def test_flops_are_linear_in_n():

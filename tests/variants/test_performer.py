@@ -5,8 +5,6 @@ stable fp32 features, and a kernel that is exact given its features."""
 from __future__ import annotations
 
 import json
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +15,7 @@ import zoo
 from zoo.variants.performer import PerformerAttention
 from zoo.hf import run_variant
 from zoo.ops import allowed_mask, linear_attention_reference, softmax_attention
+from zoo.testing import assert_reloads_identically
 from zoo.variant import AttentionCall
 
 HEAD_DIM = 16  # the contract suite's inputs: q/k/v ~ N(0, 1), head_dim 16, softmax scaling 1/4
@@ -173,7 +172,7 @@ def test_redraws_follow_training_calls_and_eval_uses_the_last_draw():
     assert {never.draw_index(call(False, training=True, state=state)) for _ in range(5)} == {0}
 
 
-def test_bert_reloads_with_the_same_features_after_training():
+def test_bert_reloads_with_the_same_features_after_training(tmp_path):
     config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                      intermediate_size=64, attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)
@@ -189,10 +188,8 @@ def test_bert_reloads_with_the_same_features_after_training():
         optimizer.zero_grad()
     model.eval()
     out = model(input_ids=ids, attention_mask=mask).last_hidden_state
-    with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(tmp)
-        saved = json.loads((Path(tmp) / "config.json").read_text())["attention_zoo"]["state"]
-        reloaded = transformers.AutoModel.from_pretrained(tmp).eval()
+    reloaded = assert_reloads_identically(model, {"input_ids": ids, "attention_mask": mask}, tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())["attention_zoo"]["state"]
     assert saved == {"training_calls": {"0": 5, "1": 5}}  # eval uses draw (5 - 1) // 2 = 2, not the first one
     assert torch.equal(reloaded(input_ids=ids, attention_mask=mask).last_hidden_state, out)
     reloaded.config.attention_zoo["state"].clear()  # forgetting the counters changes the features
