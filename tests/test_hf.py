@@ -58,7 +58,8 @@ def test_every_family_matches_its_native_sdpa_with_padding(family):
 
 @pytest.mark.parametrize("family", ["bert", "llama"])
 def test_padding_is_never_attended(family):
-    """The DESIGN.md trap: a padded row must give the same outputs as the same row alone, unpadded."""
+    """The padding trap (a custom implementation without a mask function gets no mask): a padded row must give
+    the same outputs as the same row alone, unpadded."""
     torch.manual_seed(0)
     model = transformers.AutoModel.from_config(zoo.configure(FAMILIES[family](), "dense")).eval()
     ids, mask = _padded_batch()

@@ -37,7 +37,9 @@ def test_the_wheel_installs_only_the_zoo_package(wheel_files):
     top_level = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
     assert top_level == {"zoo"}, f"the wheel would install top-level modules {sorted(top_level - {'zoo'})}"
     sources = [f"zoo/{p.relative_to(ROOT / 'zoo').as_posix()}" for p in (ROOT / "zoo").rglob("*.py")]
-    sources += [f"zoo/variants/{p.relative_to(ROOT / 'variants').as_posix()}" for p in (ROOT / "variants").rglob("*.py")]
+    variants = ROOT / "variants"
+    variants = ROOT / "variants"
+    sources += [f"zoo/variants/{p.relative_to(variants).as_posix()}" for p in variants.rglob("*.py")]
     missing = sorted(set(sources) - set(names))
     assert not missing, f"the wheel lacks {missing}: add the package to [tool.setuptools] packages in pyproject.toml"
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from zoo.variants.linear import LinearAttention
 
 import zoo
-from zoo.variants.linear import LinearAttention
 from zoo.hf import run_variant
 from zoo.ops import linear_attention
 from zoo.testing import assert_memory_below_quadratic

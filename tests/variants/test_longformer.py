@@ -9,9 +9,9 @@ import pytest
 import torch
 import transformers
 from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
+from zoo.variants.longformer import LongformerAttention
 
 import zoo
-from zoo.variants.longformer import LongformerAttention
 from zoo import testing
 from zoo.hf import run_variant
 from zoo.testing import LargestAllocation, assert_memory_below_quadratic, reference

@@ -10,9 +10,9 @@ import pytest
 import torch
 import transformers
 from torch.profiler import profile
+from zoo.variants.performer import PerformerAttention
 
 import zoo
-from zoo.variants.performer import PerformerAttention
 from zoo.hf import run_variant
 from zoo.ops import allowed_mask, linear_attention_reference, softmax_attention
 from zoo.testing import assert_reloads_identically

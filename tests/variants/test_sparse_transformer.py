@@ -11,9 +11,9 @@ import logging
 import pytest
 import torch
 import transformers
+from zoo.variants.sparse_transformer import SparseTransformerAttention
 
 import zoo
-from zoo.variants.sparse_transformer import SparseTransformerAttention
 from zoo import testing
 from zoo.hf import run_variant
 from zoo.ops import allowed_mask, softmax_attention

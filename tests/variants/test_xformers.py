@@ -16,8 +16,8 @@ import types
 import pytest
 import torch
 import transformers
-
 import zoo.variants.xformers as xf
+
 import zoo
 from zoo import testing
 from zoo.hf import run_variant
