@@ -65,7 +65,10 @@ def test_the_wrappers_pass_new_keywords_through(monkeypatch):
 
     monkeypatch.setattr(PretrainedConfig, "to_dict", PretrainedConfig.__dict__["to_dict"])  # restored after
     monkeypatch.setattr(PreTrainedModel, "get_correct_attn_implementation", original)
-    _patches.apply(saved_implementation=lambda config: None, check_model=lambda m, r: seen.update(checked=r))
+    prepare_cache = _patches.PREPARE_CACHE
+    monkeypatch.setattr(prepare_cache.owner, prepare_cache.name, prepare_cache.owner.__dict__[prepare_cache.name])
+    _patches.apply(saved_implementation=lambda config: None, check_model=lambda m, r: seen.update(checked=r),
+                   prepare_generation_cache=lambda model, arguments, run_original: run_original())
     model = transformers.BertModel(BertConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1))
     seen.clear()
     assert model.get_correct_attn_implementation("eager", new_flag=3) == "sdpa"

@@ -6,6 +6,11 @@ It is not an approximation of softmax attention but a different attention, so it
 out_i = Σ_j φ(q_i)·φ(k_j) v_j / Σ_j φ(q_i)·φ(k_j) over the keys j allowed by causality and padding, which the
 contract suite uses instead of softmax; ``error_bound`` is the relative error allowed against it (fp32 rounding).
 The softmax ``scaling`` is not used (φ has no temperature), as in the paper.
+
+Decoding (:class:`zoo.cache.RecurrentLayer`, the RNN view of the paper): the cache keeps no keys, only
+S = Σφ(k)ᵀ[v, 1] per batch row and head (h·d·(d + 1) fp32 numbers per layer, whatever the context length);
+prefill builds it in the same chunked O(n) pass, each new token costs O(d²). It cannot be rolled back
+(assisted decoding is refused with a clear error).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from zoo.cache import RecurrentLayer
 from zoo.ops import (
     allowed_mask,
     default_chunk_size,
@@ -46,7 +52,16 @@ class LinearAttention(Variant):
     error_bound = 1e-5  # relative error vs ``reference`` (its own kernel), not vs softmax
     test_params = {"chunk_size": 16}  # several chunks at the contract suite's n = 64-200
 
+    def cache_layer(self, layer_idx: int, config) -> RecurrentLayer:
+        """Decoding keeps no keys: the running sums Σφ(k)ᵀv and Σφ(k) per batch row and head (fp32), built by
+        the prefill in one O(n) pass and advanced in O(d²) per token."""
+        return RecurrentLayer()
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        if isinstance(call.cache, RecurrentLayer):  # k/v: the new tokens; the earlier ones are in the state
+            return linear_attention(elu_features(q), elu_features(k), v, True, call.padding_mask,
+                                    self.chunk_for(q.shape[-1]), state=call.cache.state)
+
         def heads(q, k, v):
             chunk = self.chunk_for(q.shape[-1])
             return linear_attention(elu_features(q), elu_features(k), v, call.causal, call.padding_mask, chunk)

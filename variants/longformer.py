@@ -38,7 +38,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from zoo.ops import KeyPart, band_part, rows_attention, split_blocks, union_attention
+from zoo.cache import WindowedLayer
+from zoo.ops import KeyPart, band_part, rows_attention, selected_attention, split_blocks, union_attention
 from zoo.variant import AttentionCall, Param, Variant
 
 MAX_BLOCK = 128  # queries per block at the default window; tuned on CPU (64..256 run close)
@@ -90,18 +91,43 @@ class LongformerAttention(Variant):
 
     def global_mask(self, call: AttentionCall, n: int, device=None) -> torch.Tensor | None:
         """(batch or 1, n) bool of global tokens (real tokens only), or None when there are none."""
-        positions = self.global_tokens if self.global_tokens is not None else ([] if call.causal else [0])
-        positions = [p for p in positions if p < n]  # positions past a short input do not exist
-        per_batch = call.extra.get("global_attention_mask")
-        if not positions and per_batch is None:
+        mask = self.globals_at(call.extra, call.causal, torch.arange(n, device=device), n)
+        if mask is None:
             return None
-        mask = torch.zeros(1, n, dtype=torch.bool, device=device)
-        mask[0, positions] = True
-        if per_batch is not None:
-            mask = mask | _checked_global_attention_mask(per_batch, n).to(mask.device)
         if call.padding_mask is not None:
             mask = mask & call.padding_mask.to(mask.device)
         return mask if bool(mask.any()) else None
+
+    def globals_at(self, extra: dict, causal: bool, positions: torch.Tensor, seen: int) -> torch.Tensor | None:
+        """(batch or 1, len(positions)) bool: which of these token positions are global (padding not applied),
+        or None when no token is. ``seen``: tokens so far (a ``global_attention_mask`` may cover the first ones)."""
+        fixed = self.global_tokens if self.global_tokens is not None else ([] if causal else [0])
+        per_batch = extra.get("global_attention_mask")
+        if not fixed and per_batch is None:
+            return None
+        mask = torch.isin(positions, torch.tensor(fixed, dtype=positions.dtype, device=positions.device))[None]
+        if per_batch is not None:
+            per_batch = _checked_global_attention_mask(per_batch, seen).to(positions.device)
+            covered = positions < per_batch.shape[-1]
+            mask = mask | (per_batch[:, positions.clamp(max=per_batch.shape[-1] - 1)] & covered)
+        return mask
+
+    def cache_layer(self, layer_idx: int, config) -> WindowedLayer:
+        """Decoding keeps the global tokens (sinks) and the last ``window // 2 * dilation`` keys; every key
+        while a global query is still to come (it attends to all earlier keys)."""
+
+        def sinks(positions: torch.Tensor, extra: dict) -> torch.Tensor:
+            is_global = self.globals_at(extra, True, positions, int(positions[-1]) + 1)
+            return torch.zeros_like(positions, dtype=torch.bool) if is_global is None else is_global.any(0)
+
+        def sees_all_until(extra: dict) -> int:
+            last = max(self.global_tokens or [-1])
+            per_batch = extra.get("global_attention_mask")
+            if per_batch is not None and bool((per_batch != 0).any()):
+                last = max(last, int((per_batch != 0).any(0).nonzero().max()))
+            return last + 1
+
+        return WindowedLayer(self._half(layer_idx) * self.dilation, sinks, sees_all_until)
 
     def _half(self, layer_idx: int) -> int:
         return self.per_layer("window", layer_idx) // 2
@@ -110,6 +136,8 @@ class LongformerAttention(Variant):
     # the kernel
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        if isinstance(call.cache, WindowedLayer) and call.cache.seen > q.shape[-2]:
+            return self.attend_cached(q, k, v, call)
         q_len, n = q.shape[-2], k.shape[-2]
         half, dilation = self._half(call.layer_idx), self.dilation
         key_real = call.padding_mask if call.padding_mask is not None else q.new_ones(1, n, dtype=torch.bool)
@@ -124,6 +152,29 @@ class LongformerAttention(Variant):
         band_ok = _rows_from(key_real & ~is_global, start)  # global keys count once: in the appended part
         local = _last_rows(_local_attention(*in_reach, band_ok, call, half, dilation, extra), q_len)
         return _with_global_rows(local, q, k, v, key_real, is_global, call)
+
+    def attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        """Decoding with the windowed cache: each new query over the sinks and its window among the kept keys,
+        O(window + globals) per token (a global query, possible only while every key is kept, sees them all)."""
+        layer = call.cache
+        reach, dilation = layer.reach, self.dilation
+        key_global = self.globals_at(call.extra, True, layer.key_positions, layer.seen)
+        query_global = self.globals_at(call.extra, True, layer.query_positions, layer.seen)
+
+        def select(rows: slice) -> torch.Tensor | None:
+            if query_global is not None and bool(query_global[:, rows].any()):
+                return None
+            positions = layer.query_positions[rows]
+            return layer.select(int(positions[0]), int(positions[-1]))
+
+        def allowed(rows, index, q_pos, k_pos):
+            offset = q_pos - k_pos
+            mask = (offset <= reach) & (offset % dilation == 0)
+            if key_global is not None:
+                mask = mask | key_global[:, None, index] | query_global[:, rows, None]
+            return mask[:, None] if mask.dim() == 3 else mask
+
+        return selected_attention(q, k, v, call, layer.query_positions, layer.key_positions, select, allowed)
 
     def flops(self, n: int, heads: int, head_dim: int, causal: bool = False) -> float:
         """Forward QK^T + PV FLOPs the blocked kernel really computes (masked band edges included)."""
@@ -142,11 +193,14 @@ class LongformerAttention(Variant):
 
 
 def _checked_global_attention_mask(mask: torch.Tensor, n: int) -> torch.Tensor:
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[-1] != n:
+    """(batch, L) bool over the first L <= n tokens: ``generate`` passes the prompt's mask at every step, and the
+    tokens after it are not global."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[-1] > n or mask.shape[-1] == 0:
         shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(
             f"attention-zoo variant 'longformer': global_attention_mask must be a (batch, seq_len) tensor with "
-            f"seq_len = {n} (nonzero = global), got {shape}. Pass it with the same shape as attention_mask."
+            f"seq_len = {n} (nonzero = global; a shorter one covers the first tokens), got {shape}. Pass it with "
+            f"the same shape as attention_mask."
         )
     return mask != 0
 

@@ -8,6 +8,11 @@ blocks) with rows of norm √d (lower variance than Gaussian row norms, see :met
 W is a deterministic function of (seed, layer, draw): the draw index advances every ``redraw_interval``
 training forward calls of a layer and its counter lives in ``call.state`` (saved in config.json), so a reloaded
 model rebuilds exactly the same features. Eval never redraws.
+
+Decoding (:class:`zoo.cache.RecurrentLayer`): the cache keeps no keys, only Σφ(k)ᵀ[v, 1] per batch row and
+head (h·m·(d + 1) fp32 numbers per layer) and the running key shift; prefill builds them in one O(n) pass and
+each new token costs O(m·d). The features use the same W as the prefill (eval never redraws); the max-shift
+stabilizer becomes a running maximum that rescales the sums when it grows. It cannot be rolled back.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import math
 
 import torch
 
+from zoo.cache import RecurrentLayer
 from zoo.ops import default_chunk_size, in_head_groups, linear_attention, linear_attention_flops
 from zoo.variant import AttentionCall, Param, Variant
 
@@ -57,6 +63,13 @@ class PerformerAttention(Variant):
         w = self.projection(call.layer_idx, draw, q.shape[-1], q.device, compute)
         w = w * math.sqrt(call.scaling)  # softmax kernel exp(q·k·s) = exp(q'·k'), q' = √s·q
 
+        if isinstance(call.cache, RecurrentLayer):  # k/v: the new tokens; the earlier ones are in the state
+            state = call.cache.state
+            with torch.autocast(device_type=q.device.type, enabled=False):
+                q_features = self.query_features(q.to(compute), w)
+                k_features = self.running_key_features(k.to(compute), w, call.scaling, call.padding_mask, state)
+            return linear_attention(q_features, k_features, v, True, call.padding_mask, state=state)
+
         def heads(q, k, v):  # the key shift is per (batch, head), so head groups change nothing
             with torch.autocast(device_type=q.device.type, enabled=False):  # fp16 features overflow: stay in fp32
                 q_features = self.query_features(q.to(compute), w)
@@ -70,6 +83,11 @@ class PerformerAttention(Variant):
         features = 2 * 2.0 * n * head_dim * m  # W q and W k
         chunk = default_chunk_size(m, head_dim)
         return heads * (features + linear_attention_flops(n, m, head_dim, causal, chunk))
+
+    def cache_layer(self, layer_idx: int, config) -> RecurrentLayer:
+        """Decoding keeps no keys: the running sums Σφ(k)ᵀv and Σφ(k) per batch row and head (m·(d + 1) fp32
+        numbers) and the running key shift; O(m·d) per token."""
+        return RecurrentLayer()
 
     # ---------------------------------------------------------------------------------------------------
     # features
@@ -85,6 +103,13 @@ class PerformerAttention(Variant):
         shift = projected.detach().amax(dim=-1, keepdim=True)
         return projected.sub_(shift).exp_()  # in place: the matmul's backward does not need its output
 
+    @staticmethod
+    def key_exponents(k: torch.Tensor, w: torch.Tensor, scaling: float) -> torch.Tensor:
+        """w·k − s‖k‖²/2 as one matmul: k gets a ‖k‖² column, w a −s/2 column."""
+        k_and_norm = torch.cat([k, k.square().sum(dim=-1, keepdim=True)], dim=-1)
+        w_and_half = torch.cat([w, w.new_full((w.shape[0], 1), -scaling / 2)], dim=-1)
+        return torch.matmul(k_and_norm, w_and_half.transpose(0, 1))
+
     def key_features(
         self, k: torch.Tensor, w: torch.Tensor, scaling: float, padding_mask: torch.Tensor | None
     ) -> torch.Tensor:
@@ -94,16 +119,34 @@ class PerformerAttention(Variant):
         """
         if self.feature_map == "relu":
             return torch.relu(torch.matmul(k, w.transpose(0, 1))) + RELU_EPSILON
-        # w·k − s‖k‖²/2 as one matmul: k gets a ‖k‖² column, w a −s/2 column.
-        k_and_norm = torch.cat([k, k.square().sum(dim=-1, keepdim=True)], dim=-1)
-        w_and_half = torch.cat([w, w.new_full((w.shape[0], 1), -scaling / 2)], dim=-1)
-        exponents = torch.matmul(k_and_norm, w_and_half.transpose(0, 1))
+        exponents = self.key_exponents(k, w, scaling)
         per_key = exponents.detach().amax(dim=-1)  # (B, H, N)
         if padding_mask is not None:
             per_key = per_key.masked_fill(~padding_mask[:, None, :], float("-inf"))
         shift = per_key.amax(dim=-1, keepdim=True)
         shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))  # all keys padded
         return exponents.sub_(shift[..., None]).exp_()
+
+    def running_key_features(self, k: torch.Tensor, w: torch.Tensor, scaling: float,
+                             padding_mask: torch.Tensor | None, state: dict) -> torch.Tensor:
+        """:meth:`key_features` of new keys under a running shift: the largest exponent over every real key seen
+        (``state["shift"]``, (B, H)). When it grows, the sums of earlier keys (``state["sums"]``) are rescaled
+        by exp(old − new), so all keys keep sharing one factor and the ratio stays exact."""
+        if self.feature_map == "relu":
+            return self.key_features(k, w, scaling, padding_mask)
+        exponents = self.key_exponents(k, w, scaling)
+        per_key = exponents.detach().amax(dim=-1)
+        if padding_mask is not None:
+            per_key = per_key.masked_fill(~padding_mask[:, None, :], float("-inf"))
+        shift = per_key.amax(dim=-1)
+        previous = state.get("shift")
+        if previous is not None:
+            shift = torch.maximum(previous, shift)
+        usable = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))  # no real key yet: any value
+        if previous is not None and "sums" in state:
+            state["sums"] = state["sums"] * torch.exp(previous - usable)[..., None, None]
+        state["shift"] = shift
+        return exponents.sub_(usable[..., None, None]).exp_()
 
     # ---------------------------------------------------------------------------------------------------
     # the random projection and its redraws

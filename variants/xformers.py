@@ -31,8 +31,10 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from transformers.cache_utils import DynamicLayer
 
-from zoo.ops import band_part, pad_to_multiple, sdpa_real_tokens_first, union_attention
+from zoo.cache import WindowedLayer
+from zoo.ops import band_part, pad_to_multiple, sdpa_real_tokens_first, selected_attention, union_attention
 from zoo.variant import AttentionCall, Param, Variant
 
 logger = logging.getLogger(__name__)
@@ -67,7 +69,17 @@ class XFormersAttention(Variant):
         keys = min(n, self.window if causal else 2 * self.window - 1)
         return 4.0 * n * keys * heads * head_dim
 
+    def cache_layer(self, layer_idx: int, config) -> DynamicLayer:
+        """Decoding with a window keeps the last ``window - 1`` keys (what the next query can reach); without
+        one, every key (transformers' ``DynamicLayer``)."""
+        return DynamicLayer() if self.window is None else WindowedLayer(self.window - 1)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        layer = call.cache
+        if isinstance(layer, WindowedLayer) and layer.seen > q.shape[-2]:  # decoding: a few queries, window keys
+            log_backend_once("zoo.ops.selected_attention", "decoding with the windowed cache")
+            return selected_attention(q, k, v, call, layer.query_positions, layer.key_positions,
+                                      lambda rows: None, self._in_window)
         reason = xformers_unavailable_reason(q)
         if reason is None:
             try:
@@ -80,6 +92,10 @@ class XFormersAttention(Variant):
                 reason = f"xformers has no operator for these inputs ({str(exc).splitlines()[0]})"
         log_backend_once("torch scaled_dot_product_attention", reason)
         return torch_attention(q, k, v, call, self.window)
+
+
+    def _in_window(self, rows, index, q_pos, k_pos) -> torch.Tensor:
+        return q_pos - k_pos < self.window
 
 
 class TorchPathNeeded(Exception):

@@ -11,6 +11,12 @@ Patched symbols (verified on transformers 5.24; the parameters each wrapper reli
   family calls the attention interface and that the saved variant is installed, instead of failing at the
   first forward. transformers offers no per-implementation validation hook; the family check itself uses the
   public ``PreTrainedModel.is_backend_compatible``.
+* ``GenerationMixin._prepare_cache_for_generation`` -- for a model configured with a zoo variant, ``generate``
+  decodes with the variant's own cache (a window with sinks, a recurrent state; :mod:`zoo.cache`) instead of the
+  ``DynamicCache`` it would build, and refuses caches that would decode different tokens (static, sliding). There
+  is no registry for third-party cache classes (unknown ``cache_implementation`` strings are rejected) and no
+  hook between choosing and building the cache; models that override this method (t5gemma, ...) are not on the
+  zoo's attention interface anyway.
 
 Rules every patch follows:
 
@@ -32,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import transformers
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +63,10 @@ class Patch:
 
 TO_DICT = Patch(PretrainedConfig, "to_dict", ("self",))
 RESOLVE_IMPLEMENTATION = Patch(PreTrainedModel, "get_correct_attn_implementation", ("self", "requested_attention"))
-PATCHES = (TO_DICT, RESOLVE_IMPLEMENTATION)
+PREPARE_CACHE = Patch(
+    GenerationMixin, "_prepare_cache_for_generation", ("self", "generation_config", "model_kwargs", "generation_mode")
+)
+PATCHES = (TO_DICT, RESOLVE_IMPLEMENTATION, PREPARE_CACHE)
 
 
 def _problem(patch: Patch) -> str | None:
@@ -96,11 +105,14 @@ def apply(
     *,
     saved_implementation: Callable[[PretrainedConfig], str | None],
     check_model: Callable[[PreTrainedModel, str | None], None],
+    prepare_generation_cache: Callable[[Any, dict[str, Any], Callable[[], Any]], Any],
 ) -> None:
     """Install the wrappers (idempotent: a second call wraps the originals again, never a wrapper).
 
     ``saved_implementation(config)`` returns the implementation name to write into the config's dict (None:
-    leave the dict alone); ``check_model(model, requested)`` raises if the model cannot run ``requested``.
+    leave the dict alone); ``check_model(model, requested)`` raises if the model cannot run ``requested``;
+    ``prepare_generation_cache(model, arguments, run_original)`` gets generate's arguments bound by name and a
+    callable running the original (it must call it: it alone knows whether the model is a zoo model).
     """
 
     def make_to_dict(original: Callable) -> Callable:
@@ -122,5 +134,15 @@ def apply(
 
         return get_correct_attn_implementation
 
+    def make_prepare_cache(original: Callable) -> Callable:
+        signature = inspect.signature(original)
+
+        def _prepare_cache_for_generation(self: Any, *args: Any, **kwargs: Any) -> Any:
+            arguments = signature.bind(self, *args, **kwargs).arguments
+            return prepare_generation_cache(self, arguments, lambda: original(self, *args, **kwargs))
+
+        return _prepare_cache_for_generation
+
     _wrap(TO_DICT, make_to_dict)
     _wrap(RESOLVE_IMPLEMENTATION, make_resolve)
+    _wrap(PREPARE_CACHE, make_prepare_cache)

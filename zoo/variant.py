@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,10 @@ class AttentionCall:
     ``extra`` carries model keyword arguments that reached the attention function (for example
     ``global_attention_mask`` for Longformer). ``state`` is a dict persisted in the model config, for
     variants that must save what they drew (Performer's redraw counters).
+
+    ``cache`` is the variant's own cache layer (what :meth:`Variant.cache_layer` returned for this layer) when
+    the model decodes with a zoo cache, else None. With a cache, q holds the new tokens only and k/v hold
+    what the layer returned from ``update`` (see :mod:`zoo.cache`); ``padding_mask`` then covers those keys.
     """
 
     causal: bool
@@ -126,6 +131,7 @@ class AttentionCall:
     extra: dict = field(default_factory=dict)
     state: dict = field(default_factory=dict)
     module: torch.nn.Module | None = None
+    cache: Any = None
 
 
 class Variant:
@@ -246,6 +252,15 @@ class Variant:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         raise NotImplementedError
+
+    def cache_layer(self, layer_idx: int, config: Any) -> CacheLayerMixin:
+        """The decoding cache layer of one decoder layer (``config``: the model's text config).
+
+        The default keeps every key and value (transformers' ``DynamicLayer``). Variants that need less return
+        a layer of :mod:`zoo.cache` (a window with sinks, a recurrent state) and read it back in ``attend``
+        through ``call.cache``.
+        """
+        return DynamicLayer()
 
     @classmethod
     def describe(cls) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Shared attention kernels and helpers for variants: GQA expansion, masks, softmax attention, blocked attention
 (``zoo.ops.blocked``), chunked gathered-block attention (``zoo.ops.gathered``), unions of key sets merged into
 one softmax (``zoo.ops.union``), the CPU flash wrappers (``zoo.ops.flash``) and chunked prefix sums
-(``zoo.ops.prefix``)."""
+(``zoo.ops.prefix``), and few queries over their selected keys for decoding (``zoo.ops.selected``)."""
 
 from zoo.ops.blocked import (
     blocked_attention,
@@ -19,6 +19,7 @@ from zoo.ops.dense import (
 )
 from zoo.ops.gathered import gathered_attention
 from zoo.ops.prefix import default_chunk_size, linear_attention, linear_attention_flops, linear_attention_reference
+from zoo.ops.selected import selected_attention
 from zoo.ops.union import GatheredPart, KeyPart, band_part, union_attention
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "rows_attention",
     "safe_softmax",
     "sdpa_real_tokens_first",
+    "selected_attention",
     "softmax_attention",
     "split_blocks",
     "union_attention",

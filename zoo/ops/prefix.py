@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from zoo.ops.blocked import split_blocks
 from zoo.ops.dense import pad_to_multiple
@@ -24,6 +23,7 @@ def linear_attention(
     causal: bool,
     key_mask: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    state: dict | None = None,
 ) -> torch.Tensor:
     """Normalized linear attention. Returns (B, H, Nq, D) in ``v``'s dtype.
 
@@ -31,6 +31,10 @@ def linear_attention(
     ``key_mask`` (B, N) bool, True = real key: masked keys contribute nothing (their features and values are
     zeroed, even if inf/NaN). Causal queries are aligned to the end of the keys (a KV cache holds ``N - Nq``
     earlier tokens). A query with nothing to attend (zero denominator) outputs zeros, never NaN.
+
+    ``state`` (causal only; a recurrent cache's dict): the keys are the new tokens only and the earlier ones are
+    summarized in ``state["sums"]`` = Σ φ(k)ᵀ [v, 1] (B, H, M, D + 1) in the compute dtype (absent: no earlier
+    token); it is read first and replaced by the sums including these keys.
     """
     _check_shapes(q_features, k_features, v, key_mask)
     compute = torch.float64 if v.dtype == torch.float64 else torch.float32
@@ -42,7 +46,13 @@ def linear_attention(
         # A ones column appended to v gives the numerator and the denominator from the same matmuls.
         values = torch.cat([values, values.new_ones(*values.shape[:-1], 1)], dim=-1)
         if causal:
-            summed = _causal(phi_q, phi_k, values, chunk_size or default_chunk_size(phi_k.shape[-1], v.shape[-1]))
+            chunk = chunk_size or default_chunk_size(phi_k.shape[-1], v.shape[-1])
+            initial = None if state is None else state.get("sums")
+            summed, total = _causal(phi_q, phi_k, values, chunk, initial)
+            if state is not None:
+                state["sums"] = total
+        elif state is not None:
+            raise ValueError("linear_attention: a recurrent state needs causal attention")
         else:  # state as (valuesᵀ φ(k))ᵀ: its backward writes φ(k)'s gradient contiguous, with no transpose copy
             summed = torch.matmul(phi_q, torch.matmul(values.transpose(-1, -2), phi_k).transpose(-1, -2))
         numerator, denominator = summed.split([v.shape[-1], 1], dim=-1)
@@ -80,8 +90,10 @@ def linear_attention_flops(n: int, num_features: int, head_dim: int, causal: boo
     return state_and_readout + 2.0 * n * min(chunk_size, n) * (num_features + head_dim + 1)  # chunk x chunk part
 
 
-def _causal(phi_q: torch.Tensor, phi_k: torch.Tensor, values: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """Σ_{j ≤ i} (φ(q_i)·φ(k_j)) values_j for every query i, chunk by chunk."""
+def _causal(phi_q: torch.Tensor, phi_k: torch.Tensor, values: torch.Tensor, chunk_size: int,
+            initial: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ_{j ≤ i} (φ(q_i)·φ(k_j)) values_j for every query i, chunk by chunk, plus φ(q_i)·``initial`` (the sums
+    of earlier tokens, (B, H, M, D + 1)); also returns the sums over all keys, ``initial`` included."""
     q_len, kv_len = phi_q.shape[-2], phi_k.shape[-2]
     if q_len < kv_len:  # queries sit at the end: earlier positions get zero features and are dropped below
         phi_q = torch.cat([phi_q.new_zeros(*phi_q.shape[:-2], kv_len - q_len, phi_q.shape[-1]), phi_q], dim=-2)
@@ -90,14 +102,19 @@ def _causal(phi_q: torch.Tensor, phi_k: torch.Tensor, values: torch.Tensor, chun
     # Across chunks: the state before chunk g is Σ_{g' < g} φ(k_g')ᵀ values_g' (an m x (d+1) matrix per chunk):
     # per-chunk sums, an inclusive cumsum over chunks, shifted by one chunk.
     per_chunk = torch.matmul(v_chunks.transpose(-1, -2), k_chunks).transpose(-1, -2)
-    before = F.pad(per_chunk.cumsum(dim=2)[:, :, :-1], (0, 0, 0, 0, 1, 0))
+    running = per_chunk.cumsum(dim=2)
+    if initial is not None:
+        running = running + initial[:, :, None]
+    total = running[:, :, -1]
+    before = torch.cat([initial[:, :, None] if initial is not None else torch.zeros_like(running[:, :, :1]),
+                        running[:, :, :-1]], dim=2)
     from_earlier_chunks = torch.matmul(q_chunks, before)
     # Inside each chunk: the causal chunk x chunk kernel matrix, added to the state's share in one fused call.
     weights = torch.matmul(q_chunks, k_chunks.transpose(-1, -2)).tril_()
     summed = torch.baddbmm(from_earlier_chunks.flatten(0, 2), weights.flatten(0, 2), v_chunks.flatten(0, 2))
     summed = summed.view(*v_chunks.shape)
     summed = summed.flatten(2, 3)[:, :, :kv_len]
-    return summed[:, :, kv_len - q_len :]
+    return summed[:, :, kv_len - q_len :], total
 
 
 def _check_shapes(

@@ -1,0 +1,290 @@
+"""Decoding caches chosen by the variant: a transformers ``Cache`` whose layer objects are what
+:meth:`zoo.variant.Variant.cache_layer` returns, one per decoder layer. Two layer kinds are shared plumbing:
+
+* :class:`WindowedLayer` (a ``DynamicLayer``): keeps the sink/global keys and the last ``reach`` keys before
+  the next query -- what a windowed pattern can still reach -- so memory and per-token work are
+  O(window + sinks) at any context length.
+* :class:`RecurrentLayer`: keeps no keys, only named running sums per batch row and head (linear attention's
+  Σφ(k)ᵀv and Σφ(k)): O(1) memory and work per token.
+
+How a layer reaches the kernel: transformers' attention modules call ``cache.update(k, v, layer_idx,
+kwargs=attention_kwargs)`` and then the attention function with ``**attention_kwargs`` (Llama, Mistral, Qwen2,
+GPT-2 on transformers 5.24). ``update`` puts the layer into that dict under :data:`LAYER_KWARG`;
+:func:`zoo.hf.zoo_attention_forward` moves it into ``AttentionCall.cache``.
+
+Masks: transformers builds one 2-D padding mask for all layers, sized by a layer's ``get_mask_sizes``. Our
+layers report every token seen, so the mask has one column per position and :meth:`key_columns` picks the
+columns of the keys the kernel receives (a sink at the front would otherwise get the wrong column).
+
+Positions: keys are cached after the model applied its rotary or absolute positions, so a kept key keeps the
+phase of its original token; nothing is re-rotated and relative positions stay true.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+
+from zoo.variant import Variant
+
+LAYER_KWARG = "attention_zoo_cache_layer"
+
+SinkPredicate = Callable[[torch.Tensor, dict], torch.Tensor]
+
+
+class CacheRollbackError(RuntimeError):
+    """A cache was asked to forget tokens it can no longer restore (``crop``)."""
+
+
+def hand_to_kernel(layer: CacheLayerMixin, update_kwargs: dict) -> dict:
+    """Put ``layer`` into the attention kwargs that ``cache.update`` received; returns those kwargs."""
+    attention_kwargs = update_kwargs.get("kwargs")
+    if not isinstance(attention_kwargs, dict):
+        raise TypeError(
+            f"attention-zoo's {type(layer).__name__} needs the attention kwargs in cache.update(k, v, layer_idx, "
+            "kwargs=...) to hand its state to the kernel, and this model's attention does not pass them. Decode "
+            "this model with use_cache=False, or a transformers DynamicCache (which keeps every key)."
+        )
+    attention_kwargs[LAYER_KWARG] = layer
+    return attention_kwargs
+
+
+class _SeenTokens:
+    """What both layer kinds share: tokens seen, mask sizes over every token seen, mask columns of the keys."""
+
+    seen: int
+    key_positions: torch.Tensor | None
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    @property
+    def query_positions(self) -> torch.Tensor:
+        """Positions of the tokens of the current call (the last ones seen)."""
+        return self.key_positions[-self.new_tokens :]
+
+    def key_columns(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The columns of a (batch, tokens seen) padding mask that belong to the keys the kernel receives."""
+        if attention_mask is None:
+            return None
+        if attention_mask.shape[-1] != self.seen:
+            raise ValueError(
+                f"attention-zoo cache: the padding mask covers {attention_mask.shape[-1]} tokens but the cache has "
+                f"seen {self.seen}. Pass an attention_mask over every token so far (as generate does)."
+            )
+        return attention_mask.index_select(-1, self.key_positions.to(attention_mask.device))
+
+
+class WindowedLayer(_SeenTokens, DynamicLayer):
+    """Keys a windowed pattern can still reach: every sink (global) key and the last ``reach`` keys.
+
+    A future query at position p may see keys p - reach .. p and the sinks, so after each update the layer drops
+    the non-sink keys older than ``seen - reach``. ``sinks(positions, attention_kwargs) -> (len,) bool`` marks
+    keys kept forever (e.g. StreamingLLM's first tokens, Longformer's global tokens, union over the batch);
+    ``sees_all_until(attention_kwargs) -> int``: every key is kept while fewer tokens were seen (a global query
+    still to come attends to all earlier keys).
+
+    ``key_positions`` holds the positions of the keys handed to the current call (ascending), ``key_is_sink``
+    which of them are sinks. ``crop`` restores what it can: with ``activate_past_recording()`` (assisted
+    decoding) nothing is dropped until the next ``crop``, so any rollback works.
+    """
+
+    is_sliding = False  # mask sizes cover every token seen, not a window
+
+    def __init__(self, reach: int, sinks: SinkPredicate | None = None,
+                 sees_all_until: Callable[[dict], int] | None = None) -> None:
+        super().__init__()
+        self.reach = int(reach)
+        self.sinks = sinks
+        self.sees_all_until = sees_all_until
+        self.record_past = False
+        self._clear()
+
+    def _clear(self) -> None:
+        self.seen = 0
+        self.new_tokens = 0
+        self.complete_until = 0
+        self.first_recent = 0  # lowest non-sink position held
+        self.positions = self.is_sink = None
+        self.key_positions = self.key_is_sink = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.positions = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.is_sink = torch.zeros(0, dtype=torch.bool, device=self.device)
+
+    def activate_past_recording(self) -> None:
+        self.record_past = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        attention_kwargs = hand_to_kernel(self, kwargs)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        count = key_states.shape[-2]
+        new_positions = torch.arange(self.seen, self.seen + count, device=self.device)
+        new_sinks = (self.sinks(new_positions, attention_kwargs).to(self.device) if self.sinks is not None
+                     else torch.zeros(count, dtype=torch.bool, device=self.device))
+        if self.sees_all_until is not None:
+            self.complete_until = max(self.complete_until, int(self.sees_all_until(attention_kwargs)))
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.positions = torch.cat([self.positions, new_positions])
+        self.is_sink = torch.cat([self.is_sink, new_sinks])
+        self.seen += count
+        self.new_tokens = count
+        keys, values = self.keys, self.values
+        self.key_positions, self.key_is_sink = self.positions, self.is_sink
+        if not self.record_past:
+            self._drop_unreachable()
+        return keys, values
+
+    def _drop_unreachable(self) -> None:
+        """Drop the non-sink keys no future query can reach."""
+        oldest = self.seen - self.reach
+        if self.seen < self.complete_until or self.first_recent >= oldest:
+            return
+        keep = (self.is_sink | (self.positions >= oldest)).nonzero().squeeze(-1)
+        self.keys, self.values = self.keys.index_select(-2, keep), self.values.index_select(-2, keep)
+        self.positions, self.is_sink = self.positions[keep], self.is_sink[keep]
+        self.first_recent = oldest
+
+    def select(self, first_query: int, last_query: int) -> torch.Tensor:
+        """Indices (into the current call's keys) of the sinks and of every key a window of queries
+        ``first_query .. last_query`` can reach: positions ``first_query - reach .. last_query``."""
+        positions = self.key_positions
+        low = first_query - self.reach
+        start = int(torch.searchsorted(positions, torch.tensor(low, device=positions.device)))
+        stop = int(torch.searchsorted(positions, torch.tensor(last_query, device=positions.device), right=True))
+        older_sinks = self.key_is_sink[:start].nonzero().squeeze(-1)
+        return torch.cat([older_sinks, torch.arange(start, stop, device=positions.device)])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens (a negative count, as transformers calls it)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}.")
+        count = -tokens_to_remove
+        if self.is_initialized and count:
+            target = self.seen - count
+            low = 0 if target < self.complete_until else max(0, target - self.reach)
+            if self.first_recent > low:
+                raise CacheRollbackError(
+                    f"attention-zoo WindowedLayer cannot forget {count} tokens: it already dropped keys a later "
+                    f"query needs (it keeps the last {self.reach} tokens and the sinks). Call "
+                    "cache.activate_past_recording() before the forward you may roll back (assisted decoding does)."
+                )
+            keep = (self.positions < target).nonzero().squeeze(-1)
+            self.keys, self.values = self.keys.index_select(-2, keep), self.values.index_select(-2, keep)
+            self.positions, self.is_sink = self.positions[keep], self.is_sink[keep]
+            self.seen = target
+        if self.is_initialized:
+            self._drop_unreachable()
+
+    def reset(self) -> None:
+        super().reset()
+        self._clear()
+
+    def nbytes(self) -> int:
+        return tensor_bytes([self.keys, self.values, self.positions, self.is_sink])
+
+
+class RecurrentLayer(_SeenTokens, CacheLayerMixin):
+    """A recurrent state instead of keys: named tensors with the batch first (``state``), which the kernel
+    reads and replaces at every call. ``update`` returns the new keys and values only; the kernel continues
+    from ``state`` (an empty dict before the first token). A running sum cannot forget tokens: ``crop`` raises.
+    """
+
+    is_croppable = False
+    is_compileable = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = 0
+        self.new_tokens = 0
+        self.state: dict[str, torch.Tensor] = {}
+        self.key_positions = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        hand_to_kernel(self, kwargs)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        count = key_states.shape[-2]
+        self.key_positions = torch.arange(self.seen, self.seen + count, device=self.device)
+        self.seen += count
+        self.new_tokens = count
+        return key_states, value_states
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove == 0:
+            return
+        raise CacheRollbackError(
+            "attention-zoo RecurrentLayer cannot forget tokens: its state is a running sum over every token seen "
+            "(linear attention), which cannot be rolled back. Assisted decoding and other rollbacks need a variant "
+            "that keeps keys (e.g. longformer, xformers with a window, sdpa)."
+        )
+
+    def _map_state(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.state = {name: fn(tensor) for name, tensor in self.state.items()}
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_state(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_state(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_state(lambda x: x[indices])
+
+    def offload(self) -> None:
+        self._map_state(lambda x: x.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        if self.is_initialized:
+            self._map_state(lambda x: x.to(self.device, non_blocking=True))
+
+    def reset(self) -> None:
+        self.state, self.seen, self.new_tokens, self.key_positions = {}, 0, 0, None
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.state.values())
+
+
+class ZooCache(Cache):
+    """One cache layer per decoder layer, each chosen by the model's variant (:meth:`Variant.cache_layer`)."""
+
+    def __init__(self, variant: Variant, config: Any) -> None:
+        text_config = config.get_text_config(decoder=True)
+        layers = [variant.cache_layer(index, text_config) for index in range(text_config.num_hidden_layers)]
+        super().__init__(layers=layers)
+        self.variant_name = variant.name
+
+
+def tensor_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of the distinct tensor storages among ``tensors`` (None and non-tensors are skipped)."""
+    seen, total = set(), 0
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.numel() and tensor.untyped_storage().data_ptr() not in seen:
+            seen.add(tensor.untyped_storage().data_ptr())
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def cache_nbytes(cache: Cache) -> int:
+    """Bytes a transformers cache holds: our layers count their state, other layers their tensor attributes."""
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        nbytes = getattr(layer, "nbytes", None)
+        total += nbytes() if callable(nbytes) else tensor_bytes(vars(layer).values())
+    return total
