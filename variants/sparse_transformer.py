@@ -29,13 +29,16 @@ from __future__ import annotations
 import math
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
+from zoo.cache import WindowedLayer
 from zoo.ops import (
     GatheredPart,
     KeyPart,
     band_part,
     blocked_attention,
     pad_to_multiple,
+    selected_attention,
     split_blocks,
     union_attention,
 )
@@ -97,7 +100,7 @@ class SparseTransformerAttention(Variant):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         q_len, n = q.shape[-2], k.shape[-2]
-        if q_len != n:
+        if q_len != n:  # decoding: the new tokens over the keys of a cache
             return self.attend_new_tokens(q, k, v, call)
         if n <= self.stride:  # the pattern covers every pair: plain attention is the exact answer
             return _full_attention(q, k, v, call)
@@ -110,19 +113,49 @@ class SparseTransformerAttention(Variant):
         return union_attention(parts, call)[:, :, :n]
 
     def attend_new_tokens(self, q, k, v, call: AttentionCall) -> torch.Tensor:
-        """KV-cache steps (causal, q_len < kv_len, queries are the last positions): O(q_len·n) rows."""
-        q_len, n = q.shape[-2], k.shape[-2]
-        if not call.causal or q_len > self.stride:
+        """Decoding (causal; the queries are the newest tokens): each query over the keys of its pattern only,
+        gathered (:func:`zoo.ops.selected_attention`). ``fixed``: its block and the summary columns, O(l + n·c/l)
+        per token; ``strided``: the l previous tokens and every l-th one, O(l + n/l) per token. Keys come from the
+        windowed cache (``fixed``) or a cache of every key (positions 0 .. n-1)."""
+        if not call.causal:
             raise ValueError(
-                f"attention-zoo variant 'sparse_transformer': query length {q_len} != key length {n} is only "
-                f"supported for causal KV-cache steps of at most stride={self.stride} new tokens."
+                f"attention-zoo variant 'sparse_transformer': query length {q.shape[-2]} != key length "
+                f"{k.shape[-2]} is only supported for causal decoding steps."
             )
-        q_pos = torch.arange(n - q_len, n, device=q.device)[:, None]
-        kv_pos = torch.arange(n, device=q.device)[None, :]
-        allowed = self.pattern(call, q_len, n)(None, None, q_pos, kv_pos) & (kv_pos <= q_pos)
-        if call.padding_mask is not None:
-            allowed = allowed[None, None] & call.padding_mask[:, None, None, :]
-        return blocked_attention(q, k, v, allowed, call)
+        layer = call.cache if isinstance(call.cache, WindowedLayer) else None
+        if layer is not None:
+            query_positions, key_positions = layer.query_positions, layer.key_positions
+        else:
+            key_positions = torch.arange(k.shape[-2], device=q.device)
+            query_positions = key_positions[k.shape[-2] - q.shape[-2] :]
+        stride, summary = self.stride, self.num_summary
+        fixed = self.config["pattern"] == "fixed"
+
+        def select(rows: slice) -> torch.Tensor:
+            first, last = int(query_positions[rows.start]), int(query_positions[rows.stop - 1])
+            if layer is not None:  # the summary columns are its sinks, its window reaches the block start
+                return layer.select(first, last)
+            low = first - first % stride if fixed else max(0, first - stride + 1)
+            if fixed:  # the summary columns of the earlier blocks
+                earlier = torch.arange(low // stride, device=q.device)[:, None] * stride
+                columns = [(earlier + torch.arange(stride - summary, stride, device=q.device)).flatten()]
+            else:  # every l-th column of each residue among the queries, below the local band
+                columns = [torch.arange(r, low, stride, device=q.device)
+                           for r in sorted(set((query_positions[rows] % stride).tolist()))]
+            return torch.cat([*columns, torch.arange(low, last + 1, device=q.device)])
+
+        predicate = self.pattern(call, q.shape[-2], k.shape[-2])
+        return selected_attention(q, k, v, call, query_positions, key_positions, select,
+                                  lambda rows, index, q_pos, k_pos: predicate(None, None, q_pos, k_pos),
+                                  chunk=stride if fixed else 8)
+
+    def cache_layer(self, layer_idx: int, config) -> DynamicLayer:
+        """``fixed`` decodes with the summary columns as sinks and the last l - 1 keys (the query's block);
+        ``strided`` keeps every key (its every-l-th columns reach back to the first token)."""
+        if self.config["pattern"] == "strided":
+            return DynamicLayer()
+        stride, summary = self.stride, self.num_summary
+        return WindowedLayer(stride - 1, lambda positions, extra: positions % stride >= stride - summary)
 
 
 # -------------------------------------------------------------------------------------------------------

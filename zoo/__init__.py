@@ -4,7 +4,8 @@
 saved with a variant load back with it.
 """
 
-from zoo.hf import IMPLEMENTATION, configure, install, variant_for, variant_spec
+from zoo.cache import cache_nbytes
+from zoo.hf import IMPLEMENTATION, configure, install, make_cache, variant_for, variant_spec
 from zoo.longify import longify
 from zoo.registry import (
     BrokenVariantError,
@@ -30,10 +31,12 @@ __all__ = [
     "Variant",
     "VariantConflictError",
     "VariantParameterError",
+    "cache_nbytes",
     "configure",
     "get_variant_class",
     "list_variants",
     "longify",
+    "make_cache",
     "register_variant",
     "unregister_variant",
     "variant_for",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -158,8 +158,9 @@ def variant_for(config: PretrainedConfig) -> Variant:
             f"This model uses attn_implementation={IMPLEMENTATION!r} but its config has no {CONFIG_KEY!r} "
             f"entry. Call zoo.configure(config_or_model, 'variant_name', ...) first."
         )
+    _check_spec(config, spec)
     cached = _variants.get(id(config))
-    key = (spec["variant"], repr(spec["params"]))
+    key = (spec["variant"], repr(spec.get("params", {})))
     if cached is None or cached[0] != key:
         try:
             cls = get_variant_class(spec["variant"])
@@ -169,11 +170,27 @@ def variant_for(config: PretrainedConfig) -> Variant:
                 f"{spec.get('package')!r} {spec.get('version', '')}, which is not installed here. "
                 f"Install it (pip install {spec.get('package')}) and import zoo before loading."
             ) from exc
-        variant = cls(**spec["params"])
+        variant = cls(**spec.get("params", {}))
         cached = (key, variant)
         _cache_for(_variants, config, cached)
         _variants[id(config)] = cached
     return cached[1]
+
+
+def _check_spec(config: PretrainedConfig, spec: Any) -> None:
+    """A readable error for a hand-edited or corrupted ``attention_zoo`` entry (naming the entry and the file)."""
+    where = f"config.json in {config.name_or_path!r}" if getattr(config, "name_or_path", "") else "the model config"
+    example = "{'variant': 'longformer', 'params': {'window': 512}, ...}"
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("variant"), str):
+        raise ValueError(
+            f"The {CONFIG_KEY!r} entry of {where} must be a mapping with a 'variant' name, like {example}; got "
+            f"{spec!r}. Fix that entry, or configure the model again with zoo.configure(model, 'variant_name', ...)."
+        )
+    if not isinstance(spec.get("params", {}), Mapping):
+        raise ValueError(
+            f"'params' of the {CONFIG_KEY!r} entry of {where} must be a mapping of parameter names to values, like "
+            f"{example}; got {spec['params']!r}. Fix that entry, or configure the model again with zoo.configure."
+        )
 
 
 def _layer_index(module: torch.nn.Module) -> int:

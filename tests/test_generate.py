@@ -1,0 +1,255 @@
+"""Decoding with the variant's own cache (zoo/cache.py): ``generate`` equals ``use_cache=False`` decoding for every
+causal variant and family, the cache stays bounded where the variant says so, and every cache that would decode
+different tokens is refused."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from transformers.cache_utils import DynamicCache, DynamicLayer, StaticCache
+
+import zoo
+from zoo.cache import CacheRollbackError, RecurrentLayer, WindowedLayer, ZooCache, cache_nbytes
+
+SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+FAMILIES = {
+    "llama": lambda: transformers.LlamaConfig(**SMALL, num_key_value_heads=2),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=1,
+                                            eos_token_id=2),
+    "mistral": lambda: transformers.MistralConfig(**SMALL, num_key_value_heads=1, sliding_window=None),
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL, num_key_value_heads=2),
+}
+# Small windows, strides and blocks: the 20-token prompts are longer than every window.
+VARIANTS = {
+    "sdpa": ("sdpa", {}, DynamicLayer),
+    "dense": ("dense", {}, DynamicLayer),
+    "longformer": ("longformer", {"window": 8}, WindowedLayer),
+    "longformer-sinks": ("longformer", {"window": 8, "global_tokens": [0, 1, 2, 3]}, WindowedLayer),
+    "longformer-dilated": ("longformer", {"window": 6, "dilation": 2}, WindowedLayer),
+    "xformers-window": ("xformers", {"window": 6}, WindowedLayer),
+    "xformers": ("xformers", {}, DynamicLayer),
+    "linear": ("linear", {"chunk_size": 8}, RecurrentLayer),
+    "performer": ("performer", {"nb_features": 32}, RecurrentLayer),
+    "sparse-strided": ("sparse_transformer", {"stride": 4, "num_summary": 1}, DynamicLayer),
+    "sparse-fixed": ("sparse_transformer", {"pattern": "fixed", "stride": 4, "num_summary": 2}, WindowedLayer),
+    "bigbird": ("bigbird", {"block_size": 4, "num_random_blocks": 1}, DynamicLayer),
+}
+NEW_TOKENS = 10
+
+
+def _model(family: str, variant: str, **overrides):
+    name, params, _ = VARIANTS[variant]
+    config = FAMILIES[family]()
+    zoo.configure(config, name, **{**params, **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    # Untrained tiny models tie logits easily; a larger output scale separates the greedy choices.
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8)
+    return model
+
+
+def _prompts(length=20, batch=2, left_pad=5):
+    ids = torch.randint(3, 64, (batch, length), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :left_pad] = 0
+    return ids, mask
+
+
+def _generate(model, ids, mask, **kwargs):
+    kwargs = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": 0, **kwargs}
+    return model.generate(ids, attention_mask=mask, **kwargs)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_generate_with_the_variant_cache_equals_decoding_without_cache(family, variant):
+    """Left-padded batch, prompt longer than every window: same tokens, and the cache is the variant's own."""
+    model = _model(family, variant)
+    ids, mask = _prompts()
+    out = _generate(model, ids, mask, return_dict_in_generate=True)
+    assert isinstance(out.past_key_values, ZooCache)
+    assert all(type(layer) is VARIANTS[variant][2] for layer in out.past_key_values.layers)
+    torch.testing.assert_close(out.sequences, _generate(model, ids, mask, use_cache=False), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_beam_search_reorders_the_cache(variant):
+    model = _model("llama", variant)
+    ids, mask = _prompts()
+    beams = dict(num_beams=3, num_return_sequences=2)
+    torch.testing.assert_close(_generate(model, ids, mask, **beams),
+                               _generate(model, ids, mask, use_cache=False, **beams), rtol=0, atol=0)
+
+
+def test_prompt_global_tokens_stay_global_while_decoding():
+    """A decoding loop passes the prompt's global_attention_mask at every step (generate() itself refuses model
+    kwargs it does not know): the prompt's global tokens stay global, and kept, at constant memory."""
+    model = _model("llama", "longformer")
+    ids, mask = _prompts()
+    global_mask = torch.zeros_like(ids)
+    global_mask[0, 7] = global_mask[1, [2, 11]] = 1
+
+    def greedy(cache, global_attention_mask):
+        tokens, attention = ids, mask
+        step = tokens if cache is not None else None
+        for _ in range(NEW_TOKENS):
+            inputs = step if cache is not None else tokens
+            logits = model(inputs, attention_mask=attention, cache=cache, use_cache=cache is not None,
+                           global_attention_mask=global_attention_mask).logits[:, -1]
+            step = logits.argmax(-1, keepdim=True)
+            tokens, attention = torch.cat([tokens, step], -1), torch.cat([attention, torch.ones_like(step)], -1)
+        return tokens
+
+    cache = zoo.make_cache(model)
+    with torch.no_grad():
+        decoded = greedy(cache, global_mask)
+        torch.testing.assert_close(decoded, greedy(None, global_mask), rtol=0, atol=0)
+        assert not torch.equal(decoded, greedy(None, None))  # the globals changed the answer
+    layer = cache.layers[0]
+    assert {2, 7, 11} <= set(layer.positions.tolist())
+    assert len(layer.positions) == 3 + layer.reach
+
+
+@pytest.mark.parametrize("variant", ["longformer-sinks", "xformers-window", "linear", "performer"])
+def test_cache_bytes_do_not_grow_with_the_context(variant):
+    """Windowed layers keep window + sinks, recurrent ones a state: the same bytes at two prompt lengths."""
+    sizes = {}
+    for length in (24, 48):
+        model = _model("llama", variant)
+        ids, mask = _prompts(length)
+        out = _generate(model, ids, mask, return_dict_in_generate=True)
+        sizes[length] = cache_nbytes(out.past_key_values)
+    assert sizes[48] == sizes[24]
+    if VARIANTS[variant][2] is WindowedLayer:
+        dense = _generate(_model("llama", "sdpa"), *_prompts(48), return_dict_in_generate=True).past_key_values
+        assert sizes[48] < cache_nbytes(dense) / 2
+
+
+def test_fixed_sparse_pattern_keeps_the_summary_columns_and_the_block():
+    model = _model("llama", "sparse-fixed")  # stride 4, 2 summary columns
+    ids, mask = _prompts(30)
+    layer = _generate(model, ids, mask, return_dict_in_generate=True).past_key_values.layers[1]
+    seen = 30 + NEW_TOKENS - 1  # the last token was generated, not fed back
+    summaries = {p for p in range(seen) if p % 4 >= 2}
+    assert set(layer.positions.tolist()) == summaries | set(range(seen - 3, seen))
+
+
+def test_windowed_layer_hands_the_kernel_only_the_window_and_sinks():
+    model = _model("llama", "longformer-sinks")
+    cache = zoo.make_cache(model)
+    ids, _ = _prompts(40, batch=1)
+    model(ids, cache=cache, use_cache=True)
+    for token in range(5):
+        model(ids[:, token : token + 1], cache=cache, use_cache=True)
+        layer = cache.layers[1]
+        assert layer.get_seq_length() == 41 + token
+        assert layer.key_positions.tolist() == [0, 1, 2, 3] + list(range(41 + token - 1 - layer.reach, 41 + token))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_static_cache_is_refused_with_the_fix(family):
+    model = _model(family, "longformer")
+    ids, mask = _prompts()
+    with pytest.raises(ValueError, match="cache_implementation='static'.*Leave cache_implementation unset"):
+        _generate(model, ids, mask, cache_implementation="static")
+    with pytest.raises(ValueError, match="StaticCache.*zoo.make_cache"):
+        _generate(model, ids, mask, cache=StaticCache(config=model.config, max_cache_len=64))
+
+
+def test_a_sliding_dynamic_cache_is_refused_and_a_full_one_works():
+    config = transformers.MistralConfig(**SMALL, num_key_value_heads=1, sliding_window=4)
+    zoo.configure(config, "sdpa")
+    model = transformers.MistralForCausalLM(config).eval()
+    ids, mask = _prompts()
+    with pytest.raises(ValueError, match="DynamicSlidingWindowLayer"):
+        _generate(model, ids, mask, cache=DynamicCache(config=config))
+    expected = _generate(model, ids, mask, use_cache=False)
+    torch.testing.assert_close(_generate(model, ids, mask), expected, rtol=0, atol=0)
+    torch.testing.assert_close(_generate(model, ids, mask, cache=DynamicCache()), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("variant", ["linear", "performer"])
+def test_a_recurrent_state_refuses_rollbacks(variant):
+    model = _model("llama", variant)
+    cache = zoo.make_cache(model)
+    model(_prompts(batch=1)[0], cache=cache, use_cache=True)
+    with pytest.raises(CacheRollbackError, match="cannot be rolled back"):
+        cache.crop(-1)
+    cache.crop(0)  # nothing to forget: fine
+    ids, mask = _prompts()
+    with pytest.raises(CacheRollbackError, match="Assisted decoding.*cannot be rolled back"):
+        _generate(model, ids, mask, assistant_model=_model("llama", "sdpa"))
+
+
+def test_assisted_decoding_crops_the_windowed_cache():
+    model = _model("llama", "longformer-sinks")
+    ids, mask = _prompts(batch=1, left_pad=0)
+    assistant = _model("llama", "xformers-window")
+    torch.testing.assert_close(_generate(model, ids, mask, assistant_model=assistant),
+                               _generate(model, ids, mask, use_cache=False), rtol=0, atol=0)
+
+
+def test_a_windowed_cache_that_dropped_keys_refuses_to_roll_back():
+    model = _model("llama", "xformers-window")
+    cache = zoo.make_cache(model)
+    model(_prompts(batch=1)[0], cache=cache, use_cache=True)
+    with pytest.raises(CacheRollbackError, match="activate_past_recording"):
+        cache.crop(-2)
+
+
+def test_two_generations_at_once_do_not_interfere():
+    """The state lives in the cache: two loops stepped alternately give what each gives alone."""
+    model = _model("llama", "performer")
+    prompts = [_prompts(20, batch=1)[0], _prompts(27, batch=1)[0][:, 3:]]
+
+    def steps(cache, ids):
+        logits = model(ids, cache=cache, use_cache=True).logits[:, -1]
+        while True:
+            token = logits.argmax(-1, keepdim=True)
+            yield token
+            logits = model(token, cache=cache, use_cache=True).logits[:, -1]
+
+    alone = [[next(gen) for _ in range(6)] for gen in (steps(zoo.make_cache(model), p) for p in prompts)]
+    together = [steps(zoo.make_cache(model), p) for p in prompts]
+    interleaved = [[], []]
+    for _ in range(6):
+        for i, gen in enumerate(together):
+            interleaved[i].append(next(gen))
+    assert interleaved == alone
+
+
+def test_models_without_the_zoo_keep_transformers_cache():
+    config = FAMILIES["llama"]()
+    config._attn_implementation = "sdpa"
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids, mask = _prompts()
+    out = _generate(model, ids, mask, return_dict_in_generate=True)
+    assert type(out.past_key_values) is DynamicCache
+    with pytest.raises(ValueError, match="not configured with an attention-zoo variant"):
+        zoo.make_cache(model)
+
+
+def test_a_cache_of_another_variant_is_refused():
+    model = _model("llama", "longformer")
+    ids, mask = _prompts()
+    with pytest.raises(ValueError, match="made for attention-zoo variant 'linear'"):
+        _generate(model, ids, mask, cache=zoo.make_cache(_model("llama", "linear")))
+
+
+@pytest.mark.parametrize("entry, problem", [
+    ("longformer", "must be a mapping"),
+    ({"variant": "longformer", "params": [8]}, "'params'.*must be a mapping"),
+    ({"params": {}}, "must be a mapping"),
+])
+def test_a_malformed_config_entry_names_the_entry_and_the_file(tmp_path, entry, problem):
+    config = FAMILIES["llama"]()
+    zoo.configure(config, "longformer", window=8)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved["attention_zoo"] = entry
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=problem) as error:
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert f"'attention_zoo' entry of config.json in '{tmp_path}'" in str(error.value)
