@@ -32,7 +32,7 @@ VARIANTS = {
     "linear": ("linear", {"chunk_size": 8}, RecurrentLayer),
     "performer": ("performer", {"nb_features": 32}, RecurrentLayer),
     "sparse-strided": ("sparse_transformer", {"stride": 4, "num_summary": 1}, DynamicLayer),
-    "sparse-fixed": ("sparse_transformer", {"pattern": "fixed", "stride": 4, "num_summary": 2}, WindowedLayer),
+    "sparse-fixed": ("sparse_transformer", {"layout": "fixed", "stride": 4, "num_summary": 2}, WindowedLayer),
     "bigbird": ("bigbird", {"block_size": 4, "num_random_blocks": 1}, DynamicLayer),
 }
 NEW_TOKENS = 10

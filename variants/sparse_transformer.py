@@ -129,7 +129,7 @@ class SparseTransformerAttention(Variant):
             key_positions = torch.arange(k.shape[-2], device=q.device)
             query_positions = key_positions[k.shape[-2] - q.shape[-2] :]
         stride, summary = self.stride, self.num_summary
-        fixed = self.config["pattern"] == "fixed"
+        fixed = self.layout == "fixed"
 
         def select(rows: slice) -> torch.Tensor:
             first, last = int(query_positions[rows.start]), int(query_positions[rows.stop - 1])
@@ -152,7 +152,7 @@ class SparseTransformerAttention(Variant):
     def cache_layer(self, layer_idx: int, config) -> DynamicLayer:
         """``fixed`` decodes with the summary columns as sinks and the last l - 1 keys (the query's block);
         ``strided`` keeps every key (its every-l-th columns reach back to the first token)."""
-        if self.config["pattern"] == "strided":
+        if self.layout == "strided":
             return DynamicLayer()
         stride, summary = self.stride, self.num_summary
         return WindowedLayer(stride - 1, lambda positions, extra: positions % stride >= stride - summary)
