@@ -158,10 +158,15 @@ class LongformerAttention(Variant):
         O(window + globals) per token (a global query, possible only while every key is kept, sees them all)."""
         layer = call.cache
         reach, dilation = layer.reach, self.dilation
-        key_global = self.globals_at(call.extra, True, layer.key_positions, layer.seen)
-        query_global = self.globals_at(call.extra, True, layer.query_positions, layer.seen)
+        per_batch = "global_attention_mask" in call.extra
+        # Without a per-batch mask the layer's sinks are exactly the global keys (the same for every row).
+        key_global = (self.globals_at(call.extra, True, layer.key_positions, layer.seen) if per_batch
+                      else layer.key_is_sink[None])
+        query_global = None  # no global query after the last global position
+        if int(layer.query_positions[0]) < layer.complete_until:
+            query_global = self.globals_at(call.extra, True, layer.query_positions, layer.seen)
 
-        def select(rows: slice) -> torch.Tensor | None:
+        def select(rows: slice) -> slice | torch.Tensor | None:
             if query_global is not None and bool(query_global[:, rows].any()):
                 return None
             positions = layer.query_positions[rows]
@@ -169,9 +174,13 @@ class LongformerAttention(Variant):
 
         def allowed(rows, index, q_pos, k_pos):
             offset = q_pos - k_pos
-            mask = (offset <= reach) & (offset % dilation == 0)
+            mask = offset <= reach
+            if dilation > 1:
+                mask = mask & (offset % dilation == 0)
             if key_global is not None:
-                mask = mask | key_global[:, None, index] | query_global[:, rows, None]
+                mask = mask | key_global[:, None, index]
+            if query_global is not None:
+                mask = mask | query_global[:, rows, None]
             return mask[:, None] if mask.dim() == 3 else mask
 
         return selected_attention(q, k, v, call, layer.query_positions, layer.key_positions, select, allowed)

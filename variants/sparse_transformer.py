@@ -140,7 +140,7 @@ class SparseTransformerAttention(Variant):
                 earlier = torch.arange(low // stride, device=q.device)[:, None] * stride
                 columns = [(earlier + torch.arange(stride - summary, stride, device=q.device)).flatten()]
             else:  # every l-th column of each residue among the queries, below the local band
-                columns = [torch.arange(r, low, stride, device=q.device)
+                columns = [torch.arange(r, max(r, low), stride, device=q.device)
                            for r in sorted(set((query_positions[rows] % stride).tolist()))]
             return torch.cat([*columns, torch.arange(low, last + 1, device=q.device)])
 

@@ -93,9 +93,12 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
     ``sees_all_until(attention_kwargs) -> int``: every key is kept while fewer tokens were seen (a global query
     still to come attends to all earlier keys).
 
-    ``key_positions`` holds the positions of the keys handed to the current call (ascending), ``key_is_sink``
-    which of them are sinks. ``crop`` restores what it can: with ``activate_past_recording()`` (assisted
-    decoding) nothing is dropped until the next ``crop``, so any rollback works.
+    Layout (what keeps the per-token work free of searches and gathers): the held keys are the old sinks
+    (``sink_prefix`` of them, positions below ``first_recent``) followed by every position from ``first_recent``
+    on. ``key_positions`` / ``key_is_sink`` describe the keys handed to the current call (ascending), and
+    :meth:`select` names the ones a window of queries can reach, as a slice (a view) when they are contiguous,
+    which is always the case for one decoding step. ``crop`` restores what it can: with
+    ``activate_past_recording()`` (assisted decoding) nothing is dropped until the next ``crop``.
     """
 
     is_sliding = False  # mask sizes cover every token seen, not a window
@@ -110,10 +113,9 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
         self._clear()
 
     def _clear(self) -> None:
-        self.seen = 0
-        self.new_tokens = 0
-        self.complete_until = 0
-        self.first_recent = 0  # lowest non-sink position held
+        self.seen = self.new_tokens = self.complete_until = 0
+        self.first_recent = self.sink_prefix = 0  # the held layout (see the class docstring)
+        self.call_first = self.call_prefix = 0  # the same for the keys of the current call
         self.positions = self.is_sink = None
         self.key_positions = self.key_is_sink = None
 
@@ -143,29 +145,44 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
         self.new_tokens = count
         keys, values = self.keys, self.values
         self.key_positions, self.key_is_sink = self.positions, self.is_sink
+        self.call_first, self.call_prefix = self.first_recent, self.sink_prefix
         if not self.record_past:
             self._drop_unreachable()
         return keys, values
 
     def _drop_unreachable(self) -> None:
-        """Drop the non-sink keys no future query can reach."""
+        """Drop the non-sink keys no future query can reach (older than ``seen - reach``)."""
         oldest = self.seen - self.reach
         if self.seen < self.complete_until or self.first_recent >= oldest:
             return
-        keep = (self.is_sink | (self.positions >= oldest)).nonzero().squeeze(-1)
-        self.keys, self.values = self.keys.index_select(-2, keep), self.values.index_select(-2, keep)
-        self.positions, self.is_sink = self.positions[keep], self.is_sink[keep]
-        self.first_recent = oldest
+        prefix, cut = self.sink_prefix, self.sink_prefix + oldest - self.first_recent
+        new_sinks = self.is_sink[prefix:cut].nonzero().squeeze(-1) + prefix
+        if prefix == 0 and new_sinks.numel() == 0:  # nothing to keep before the cut: a view
+            self._keep(slice(cut, None))
+        else:
+            device = self.positions.device
+            self._keep(torch.cat([torch.arange(prefix, device=device), new_sinks,
+                                  torch.arange(cut, self.positions.shape[0], device=device)]))
+        self.first_recent, self.sink_prefix = oldest, prefix + new_sinks.numel()
 
-    def select(self, first_query: int, last_query: int) -> torch.Tensor:
-        """Indices (into the current call's keys) of the sinks and of every key a window of queries
-        ``first_query .. last_query`` can reach: positions ``first_query - reach .. last_query``."""
-        positions = self.key_positions
-        low = first_query - self.reach
-        start = int(torch.searchsorted(positions, torch.tensor(low, device=positions.device)))
-        stop = int(torch.searchsorted(positions, torch.tensor(last_query, device=positions.device), right=True))
-        older_sinks = self.key_is_sink[:start].nonzero().squeeze(-1)
-        return torch.cat([older_sinks, torch.arange(start, stop, device=positions.device)])
+    def _keep(self, index: slice | torch.Tensor) -> None:
+        if isinstance(index, slice):
+            self.keys, self.values = self.keys[..., index, :], self.values[..., index, :]
+        else:
+            self.keys, self.values = self.keys.index_select(-2, index), self.values.index_select(-2, index)
+        self.positions, self.is_sink = self.positions[index], self.is_sink[index]
+
+    def select(self, first_query: int, last_query: int) -> slice | torch.Tensor:
+        """The keys of the current call that queries at positions ``first_query .. last_query`` can reach: the
+        sinks and positions ``first_query - reach .. last_query``; a slice when contiguous, else indices."""
+        prefix, first = self.call_prefix, self.call_first
+        start = prefix + max(0, first_query - self.reach - first)
+        stop = prefix + last_query - first + 1
+        if start == prefix:
+            return slice(0, stop)
+        device = self.key_positions.device
+        inner_sinks = self.key_is_sink[prefix:start].nonzero().squeeze(-1) + prefix
+        return torch.cat([torch.arange(prefix, device=device), inner_sinks, torch.arange(start, stop, device=device)])
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens (a negative count, as transformers calls it)."""
@@ -181,9 +198,7 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
                     f"query needs (it keeps the last {self.reach} tokens and the sinks). Call "
                     "cache.activate_past_recording() before the forward you may roll back (assisted decoding does)."
                 )
-            keep = (self.positions < target).nonzero().squeeze(-1)
-            self.keys, self.values = self.keys.index_select(-2, keep), self.values.index_select(-2, keep)
-            self.positions, self.is_sink = self.positions[keep], self.is_sink[keep]
+            self._keep(slice(0, self.sink_prefix + target - self.first_recent))
             self.seen = target
         if self.is_initialized:
             self._drop_unreachable()

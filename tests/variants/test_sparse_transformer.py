@@ -166,6 +166,9 @@ def test_kv_cache_steps_equal_the_last_rows_of_the_full_forward(pattern):
     for new in (1, 3, 19):  # more new tokens than the stride too (several query chunks and blocks)
         step = run_variant(variant, q[:, :, -new:], k, v, make_call(True, mask))
         torch.testing.assert_close(step, full[:, :, -new:], atol=1e-5, rtol=1e-4)
+    short = run_variant(variant, q[:, :, 5:6], k[:, :, :6], v[:, :, :6], make_call(True, mask[:, :6]))
+    torch.testing.assert_close(short, run_variant(variant, q[:, :, :6], k[:, :, :6], v[:, :, :6],
+                                                  make_call(True, mask[:, :6]))[:, :, -1:], atol=1e-5, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------------------
