@@ -35,7 +35,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from zoo.ops import gathered_attention, pad_to_multiple, rows_attention
+from zoo.ops import gathered_attention, pad_to_multiple, rows_attention, selected_attention
 from zoo.variant import AttentionCall, IndexPredicate, Param, Variant, VariantParameterError
 
 LAYOUT_CACHE_SIZE = 256  # (layer, length) layouts kept; each is H·nb·(w+2g+r) indices
@@ -232,11 +232,36 @@ class BigBirdAttention(Variant):
         block, kv_len = self.block_size, k.shape[-2]
         num_blocks = -(-kv_len // block)
         layout = self.layout(call.layer_idx, num_blocks, q.shape[1], call.causal, q.device)
+        if call.causal and q.shape[-2] < min(block, kv_len):  # decoding: a few queries over their key blocks
+            return self._attend_new_tokens(q, k, v, layout, call)
         key_real = self._real_keys(call.padding_mask, kv_len, num_blocks * block, q.device)
         k, v = pad_to_multiple(k, block), pad_to_multiple(v, block)
         if call.causal:
             return self._attend_causal(q, k, v, layout, key_real, call, kv_len)
         return self._attend_bidirectional(q, k, v, layout, key_real, call)
+
+    def _attend_new_tokens(self, q, k, v, layout: BlockLayout, call: AttentionCall) -> torch.Tensor:
+        """Decoding steps (fewer new queries than a block): each query over the key blocks its block's layout
+        names, per head, gathered (:func:`zoo.ops.selected_attention`): O(block·(window + global + random)) per
+        token instead of padding the query to a whole block. Keys: every key so far (a DynamicLayer)."""
+        block, kv_len = self.block_size, k.shape[-2]
+        positions = torch.arange(kv_len, device=q.device)
+        within = torch.arange(block, device=q.device)
+
+        def select(rows: slice) -> torch.Tensor:
+            query_block = int(positions[kv_len - q.shape[-2] + rows.start]) // block
+            keys = (layout.key_blocks[:, query_block, :, None] * block + within).flatten(1)  # (H, slots·block)
+            return keys.clamp(max=kv_len - 1)
+
+        def allowed(rows, index, q_pos, k_pos):
+            query_block = int(q_pos[0, 0]) // block
+            valid = layout.valid[:, query_block].repeat_interleave(block, -1)  # (H, slots·block)
+            key_blocks = layout.key_blocks[:, query_block].repeat_interleave(block, -1)
+            real_slot = (key_blocks * block + within.repeat(valid.shape[-1] // block)) < kv_len  # not clamped
+            return (valid & real_slot)[:, None, :]
+
+        return selected_attention(q, k, v, call, positions[kv_len - q.shape[-2] :], positions, select, allowed,
+                                  chunk=1)
 
     @staticmethod
     def _real_keys(padding_mask: torch.Tensor | None, kv_len: int, padded_len: int, device) -> torch.Tensor | None:
