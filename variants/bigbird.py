@@ -23,6 +23,10 @@ Kernel: every query block attends to its gathered key blocks through :func:`zoo.
 chunks of query blocks through the flash kernel, recomputing each chunk's gather in the backward); the global
 query blocks then get ``rows_attention`` over all keys. O(n · block · (window + 2·global + random)) time, and
 O(n · d) memory besides one chunk.
+
+Decoding keeps every key (transformers' ``DynamicLayer``: random blocks may point at any earlier block), but a new
+token attends only to the key blocks of its query block's layout, gathered per head: O(block·(window + global +
+random)) work per token, independent of the context length; memory O(n).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """``dense``: plain softmax attention, materializing the scores. The readable reference every other
-variant is tested against. An optional ``pattern`` restricts it (used by tests to build references)."""
+variant is tested against. An optional ``pattern`` restricts it (used by tests to build references).
+Decoding: transformers' ``DynamicLayer`` (every key), O(n) per token."""
 
 from __future__ import annotations
 

@@ -29,6 +29,14 @@ their rows. O(n·(window + globals)) time, O(n·d) memory on CPU. Inputs are pad
 (a short input is one block of its own length, never padded up to the window). Dilation regroups the
 sequence into ``dilation`` interleaved lanes, in which the dilated window is a contiguous one (one gather);
 dilation 1 is the copy-free fast path.
+
+Decoding (``generate`` or :func:`zoo.make_cache`; causal): a :class:`zoo.cache.WindowedLayer` keeps the global
+tokens (the sinks, kept forever) and the last ``window // 2 * dilation`` keys, and every key while a global query
+is still to come. Each new token attends to the kept keys it may see: O(window + globals) memory and work per
+token at any context length. With ``global_tokens=[0, 1, 2, 3]`` this is StreamingLLM's attention sink
+(Xiao et al. 2023). Kept keys keep the rotary/absolute position of their token. A ``global_attention_mask``
+shorter than the input marks the first tokens (a decoding loop passes the prompt's mask at every step);
+``generate()`` itself refuses model keyword arguments it does not know, so use ``global_tokens`` there.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """``sdpa``: exact attention through ``torch.nn.functional.scaled_dot_product_attention`` -- the dense
 baseline (O(n²) time; on CPU and GPU a flash-style kernel with O(n) memory). A causal padded batch moves every
-row's real tokens to the front (:func:`zoo.ops.sdpa_real_tokens_first`) instead of building an n x n mask."""
+row's real tokens to the front (:func:`zoo.ops.sdpa_real_tokens_first`) instead of building an n x n mask.
+Decoding: transformers' ``DynamicLayer`` (every key), O(n) per token."""
 
 from __future__ import annotations
 

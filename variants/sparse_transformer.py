@@ -22,6 +22,12 @@ kernel call per part, combined through their log-sum-exps; the parts never share
 * ``fixed``: query blocks of l; part 1 is the own block (a view), part 2 the summary columns of the other
   blocks (earlier ones when causal): the last c tokens of every block, copied out once and gathered by the
   query blocks chunk by chunk (:class:`zoo.ops.GatheredPart`). O(n·(l + c·n/l)) time, O(n·d) memory on CPU.
+
+Decoding (new tokens over cached keys, :func:`zoo.ops.selected_attention`): each query gathers only the keys of
+its pattern. ``fixed`` keeps what its pattern can still reach (a :class:`zoo.cache.WindowedLayer`: the summary
+columns as sinks and the last l − 1 keys): O(l + n·c/l) memory and work per token. ``strided`` keeps every key
+(its every-l-th columns reach back to the first token) but spends per token only O(l + n/l): the l previous
+keys and the query's residue column.
 """
 
 from __future__ import annotations

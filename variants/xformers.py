@@ -21,6 +21,10 @@ one SDPA runs; with a window, a blocked band (:func:`zoo.ops.band_part`), O(n·w
 
 ``window`` w (default None = full attention): query i sees key j when ``|i − j| < w`` (causal:
 ``0 ≤ i − j < w``, xformers' ``window_size``: w keys, itself included).
+
+Decoding: with a window, a :class:`zoo.cache.WindowedLayer` keeps the last ``window − 1`` keys and each new token
+attends to them (O(window) memory and work per token); without one, transformers' ``DynamicLayer`` keeps every
+key (O(n) per token, like dense attention).
 """
 
 from __future__ import annotations
