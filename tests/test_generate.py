@@ -253,3 +253,14 @@ def test_a_malformed_config_entry_names_the_entry_and_the_file(tmp_path, entry, 
     with pytest.raises(ValueError, match=problem) as error:
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert f"'attention_zoo' entry of config.json in '{tmp_path}'" in str(error.value)
+
+
+@pytest.mark.parametrize("variant", ["longformer-sinks", "xformers-window", "sparse-fixed", "linear", "performer",
+                                     "bigbird", "sparse-strided"])
+def test_chunked_prefill_continues_from_the_cache(variant):
+    """generate(prefill_chunk_size=...) feeds the prompt in pieces: every piece after the first decodes several
+    tokens against the cache (windowed selection over many queries, a recurrent state advanced by a chunk)."""
+    model = _model("llama", variant)
+    ids, mask = _prompts(23, batch=1, left_pad=0)
+    torch.testing.assert_close(_generate(model, ids, mask, prefill_chunk_size=7),
+                               _generate(model, ids, mask, use_cache=False), rtol=0, atol=0)
