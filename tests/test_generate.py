@@ -10,7 +10,7 @@ import transformers
 from transformers.cache_utils import DynamicCache, DynamicLayer, StaticCache
 
 import zoo
-from zoo.cache import CacheRollbackError, RecurrentLayer, WindowedLayer, ZooCache, cache_nbytes
+from zoo.cache import CacheRollbackError, GrowingLayer, RecurrentLayer, WindowedLayer, ZooCache, cache_nbytes
 
 SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 FAMILIES = {
@@ -31,9 +31,9 @@ VARIANTS = {
     "xformers": ("xformers", {}, DynamicLayer),
     "linear": ("linear", {"chunk_size": 8}, RecurrentLayer),
     "performer": ("performer", {"nb_features": 32}, RecurrentLayer),
-    "sparse-strided": ("sparse_transformer", {"stride": 4, "num_summary": 1}, DynamicLayer),
+    "sparse-strided": ("sparse_transformer", {"stride": 4, "num_summary": 1}, GrowingLayer),
     "sparse-fixed": ("sparse_transformer", {"layout": "fixed", "stride": 4, "num_summary": 2}, WindowedLayer),
-    "bigbird": ("bigbird", {"block_size": 4, "num_random_blocks": 1}, DynamicLayer),
+    "bigbird": ("bigbird", {"block_size": 4, "num_random_blocks": 1}, GrowingLayer),
 }
 NEW_TOKENS = 10
 
@@ -264,3 +264,20 @@ def test_chunked_prefill_continues_from_the_cache(variant):
     ids, mask = _prompts(23, batch=1, left_pad=0)
     torch.testing.assert_close(_generate(model, ids, mask, prefill_chunk_size=7),
                                _generate(model, ids, mask, use_cache=False), rtol=0, atol=0)
+
+
+def test_growing_layer_appends_in_place_and_holds_what_a_dynamic_cache_holds():
+    model = _model("llama", "bigbird")
+    cache, reference = zoo.make_cache(model), DynamicCache()
+    ids, _ = _prompts(40, batch=1)
+    with torch.no_grad():  # with gradients, it concatenates like DynamicLayer (in-place writes would break autograd)
+        model(ids, cache=cache, use_cache=True)
+        model(ids, cache=reference, use_cache=True)
+        buffer = cache.layers[0].buffers[0].data_ptr()
+        for token in range(5):
+            for c in (cache, reference):
+                model(ids[:, token : token + 1], cache=c, use_cache=True)
+    assert cache.layers[0].buffers[0].data_ptr() == buffer  # appended into the same buffer, no copy of the cache
+    for mine, theirs in zip(cache.layers, reference.layers, strict=True):
+        torch.testing.assert_close(mine.keys, theirs.keys, rtol=0, atol=0)
+        torch.testing.assert_close(mine.values, theirs.values, rtol=0, atol=0)

@@ -24,7 +24,8 @@ chunks of query blocks through the flash kernel, recomputing each chunk's gather
 query blocks then get ``rows_attention`` over all keys. O(n · block · (window + 2·global + random)) time, and
 O(n · d) memory besides one chunk.
 
-Decoding keeps every key (transformers' ``DynamicLayer``: random blocks may point at any earlier block), but a new
+Decoding keeps every key (a :class:`zoo.cache.GrowingLayer`, appended in O(1) amortized: random blocks may point at
+any earlier block), but a new
 token attends only to the key blocks of its query block's layout, gathered per head: O(block·(window + global +
 random)) work per token, independent of the context length; memory O(n).
 """
@@ -39,6 +40,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from zoo.cache import GrowingLayer
 from zoo.ops import gathered_attention, pad_to_multiple, rows_attention, selected_attention
 from zoo.variant import AttentionCall, IndexPredicate, Param, Variant, VariantParameterError
 
@@ -243,6 +245,10 @@ class BigBirdAttention(Variant):
         if call.causal:
             return self._attend_causal(q, k, v, layout, key_real, call, kv_len)
         return self._attend_bidirectional(q, k, v, layout, key_real, call)
+
+    def cache_layer(self, layer_idx: int, config) -> GrowingLayer:
+        """Every key (random blocks may point at any earlier block), appended in O(1) amortized."""
+        return GrowingLayer()
 
     def _attend_new_tokens(self, q, k, v, layout: BlockLayout, call: AttentionCall) -> torch.Tensor:
         """Decoding steps (fewer new queries than a block): each query over the key blocks its block's layout

@@ -26,8 +26,8 @@ kernel call per part, combined through their log-sum-exps; the parts never share
 Decoding (new tokens over cached keys, :func:`zoo.ops.selected_attention`): each query gathers only the keys of
 its pattern. ``fixed`` keeps what its pattern can still reach (a :class:`zoo.cache.WindowedLayer`: the summary
 columns as sinks and the last l − 1 keys): O(l + n·c/l) memory and work per token. ``strided`` keeps every key
-(its every-l-th columns reach back to the first token) but spends per token only O(l + n/l): the l previous
-keys and the query's residue column.
+(a :class:`zoo.cache.GrowingLayer`: its every-l-th columns reach back to the first token) but spends per token
+only O(l + n/l): the l previous keys and the query's residue column.
 """
 
 from __future__ import annotations
@@ -35,9 +35,8 @@ from __future__ import annotations
 import math
 
 import torch
-from transformers.cache_utils import DynamicLayer
 
-from zoo.cache import WindowedLayer
+from zoo.cache import GrowingLayer, WindowedLayer
 from zoo.ops import (
     GatheredPart,
     KeyPart,
@@ -155,11 +154,11 @@ class SparseTransformerAttention(Variant):
                                   lambda rows, index, q_pos, k_pos: predicate(None, None, q_pos, k_pos),
                                   chunk=stride if fixed else 8)
 
-    def cache_layer(self, layer_idx: int, config) -> DynamicLayer:
+    def cache_layer(self, layer_idx: int, config) -> GrowingLayer | WindowedLayer:
         """``fixed`` decodes with the summary columns as sinks and the last l - 1 keys (the query's block);
-        ``strided`` keeps every key (its every-l-th columns reach back to the first token)."""
+        ``strided`` keeps every key (its every-l-th columns reach back to the first token), appended in O(1)."""
         if self.layout == "strided":
-            return DynamicLayer()
+            return GrowingLayer()
         stride, summary = self.stride, self.num_summary
         return WindowedLayer(stride - 1, lambda positions, extra: positions % stride >= stride - summary)
 
