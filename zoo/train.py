@@ -1,4 +1,4 @@
-"""Fine-tune a sequence classifier with an attention-zoo variant on a long-document task.
+"""Fine-tune a sequence classifier, or train a causal language model, with an attention-zoo variant on long documents.
 
 ``python recipes/finetune.py CONFIG.yaml [--key value ...]``: the YAML holds every setting of
 :class:`FinetuneConfig`; any key can be overridden on the command line (the HfArgumentParser / TRL
@@ -7,9 +7,15 @@ The same command runs under ``accelerate launch`` (any number of processes): tra
 ``Trainer``, which handles the distribution, gathers evaluation predictions exactly once per example, and
 saves / resumes checkpoints (model, optimizer, scheduler, RNG and data position).
 
+The task decides the kind of run: a classification task (listops, brown, gutenberg, hub) fine-tunes an
+``AutoModelForSequenceClassification``; a language-modelling task (gutenberg_lm, brown_lm) trains an
+``AutoModelForCausalLM`` on documents cut into ``max_length`` chunks (:mod:`zoo.data.lm`), with a byte-level BPE
+tokenizer trained on the training split when the model is built from scratch, and evaluates loss by token
+position, perplexity, decode speed and a greedy sample (:mod:`zoo.lm`).
+
 The output_dir receives the model (config.json with the variant, model.safetensors), the tokenizer,
-``results.json`` (see :func:`results_record`), ``train_log.jsonl``, ``trainer_state.json``,
-``eval_predictions.csv`` and the model card.
+``results.json`` (see :func:`results_record`), ``train_log.jsonl``, ``trainer_state.json``, the model card, and
+``eval_predictions.csv`` (classification) or ``sample.json`` / ``sample.txt`` (language modelling).
 """
 
 from __future__ import annotations
@@ -32,18 +38,23 @@ import transformers
 import yaml
 from transformers import (
     AutoConfig,
+    AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
+    DataCollatorForLanguageModeling,
     DataCollatorWithPadding,
     HfArgumentParser,
     Trainer,
     TrainerCallback,
     TrainingArguments,
 )
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import zoo
 from zoo import data as tasks
+from zoo import distributed, lm
 from zoo import metrics as zoo_metrics
+from zoo.data.lm import bpe_tokenizer, chunk_documents
 from zoo.longify import check_max_length, longify, position_capacity
 from zoo.reporting import MB, peak_memory_bytes
 
@@ -61,12 +72,19 @@ class FinetuneConfig:
     """Every setting of one fine-tuning run (the keys of the recipe YAML)."""
 
     # --- task
-    task: str = field(metadata={"help": "listops | brown | brown2 | gutenberg | hub"})
+    task: str = field(metadata={"help": "listops | brown | brown2 | gutenberg | hub | gutenberg_lm | brown_lm"})
     output_dir: str = field(metadata={"help": "where the model, results.json and logs go"})
     task_options: dict | str | None = field(default=None, metadata={"help": "options of the task builder"})
     eval_split: str = field(default="test", metadata={"help": "split of the final evaluation (results.json)"})
-    max_train_examples: int | None = field(default=None, metadata={"help": "seeded subset of train (CPU runs)"})
-    max_eval_examples: int | None = field(default=None, metadata={"help": "seeded subset of the eval splits"})
+    max_train_examples: int | None = field(
+        default=None, metadata={"help": "seeded subset of train (CPU runs; LM tasks: chunks)"}
+    )
+    max_eval_examples: int | None = field(
+        default=None, metadata={"help": "seeded subset of the eval splits (LM tasks: chunks)"}
+    )
+    min_chunk_length: int | None = field(
+        default=None, metadata={"help": "LM tasks: keep a document's last, shorter chunk if it has this many tokens"}
+    )
     # --- model
     model_name_or_path: str | None = field(default=None, metadata={"help": "pretrained path, Hub id or 'minilm'"})
     model_config: dict | str | None = field(
@@ -74,7 +92,12 @@ class FinetuneConfig:
     )
     model_name: str | None = field(default=None, metadata={"help": "display name (default: derived)"})
     tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "default: the model's or the task's"})
-    max_length: int = field(default=512, metadata={"help": "tokens per example (longer ones are truncated)"})
+    max_length: int = field(
+        default=512, metadata={"help": "tokens per example (longer ones are truncated; LM tasks: chunk length)"}
+    )
+    tokenizer_vocab_size: int = field(
+        default=8192, metadata={"help": "LM tasks from scratch: vocabulary of the BPE tokenizer trained on train"}
+    )
     longify: bool = field(default=False, metadata={"help": "tile learned position tables up to max_length"})
     attention_dropout: float | None = field(
         default=0.0, metadata={"help": "attention dropout for every variant (null keeps the model's value)"}
@@ -105,6 +128,11 @@ class FinetuneConfig:
     training_args: dict | str | None = field(default=None, metadata={"help": "any other TrainingArguments keys"})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "allow an output_dir holding a run"})
     resume_from_checkpoint: str | None = field(default=None, metadata={"help": "checkpoint path, or true (latest)"})
+    # --- language modelling: a greedy sample of a held-out passage and the decode speed
+    generate_new_tokens: int = field(default=64, metadata={"help": "LM tasks: tokens generated (0: no sample)"})
+    generate_prompt_tokens: int | None = field(
+        default=None, metadata={"help": "LM tasks: prompt length (default: max_length - generate_new_tokens)"}
+    )
     # --- Hub
     push_to_hub: bool = False
     hub_model_id: str | None = None
@@ -177,7 +205,12 @@ def parse_config(argv: list[str] | None = None) -> FinetuneConfig:
 # checks that run before any data or model is loaded
 
 
+def is_lm(cfg: FinetuneConfig) -> bool:
+    return tasks.get_task(cfg.task).kind == "lm"
+
+
 def check_config(cfg: FinetuneConfig) -> None:
+    distributed.check_launch(accelerator_available())
     tasks.get_task(cfg.task)
     tasks.check_options(cfg.task, cfg.task_options)
     if (cfg.model_name_or_path is None) == (not cfg.model_config):
@@ -187,10 +220,34 @@ def check_config(cfg: FinetuneConfig) -> None:
         )
     if cfg.max_length < 8:
         raise ValueError(f"max_length={cfg.max_length} is too short; use at least 8 tokens.")
-    zoo.get_variant_class(cfg.variant)(**cfg.variant_params)  # unknown variant or bad parameter: clear error now
+    variant = zoo.get_variant_class(cfg.variant)(**cfg.variant_params)  # unknown variant or bad parameter: now
+    if is_lm(cfg):
+        check_lm_config(cfg, variant)
     if cfg.push_to_hub and not cfg.hub_model_id:
         raise ValueError("push_to_hub is true but hub_model_id is not set; give the repository id, e.g. 'me/model'.")
     check_output_dir(cfg)
+
+
+def check_lm_config(cfg: FinetuneConfig, variant: zoo.Variant) -> None:
+    if not variant.supports_causal:
+        raise ValueError(
+            f"task {cfg.task!r} trains a causal language model, but variant {cfg.variant!r} does not support causal "
+            "attention. Pick a variant with causal support (see `zoo list`)."
+        )
+    model_type = (cfg.model_config or {}).get("model_type")
+    if model_type is not None and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(
+            f"task {cfg.task!r} trains a causal language model, but model_type {model_type!r} has no causal-LM "
+            "class in transformers; use a decoder such as llama, mistral, qwen2 or gpt2."
+        )
+    if cfg.generate_new_tokens < 0 or cfg.generate_new_tokens >= cfg.max_length:
+        raise ValueError(f"generate_new_tokens={cfg.generate_new_tokens} must lie in [0, max_length).")
+    prompt = cfg.generate_prompt_tokens
+    if prompt is not None and not 1 <= prompt <= cfg.max_length - cfg.generate_new_tokens:
+        raise ValueError(
+            f"generate_prompt_tokens={prompt} must lie in [1, max_length - generate_new_tokens] so that the prompt "
+            "and the new tokens fit in the positions the model was trained on."
+        )
 
 
 def check_output_dir(cfg: FinetuneConfig) -> None:
@@ -226,23 +283,34 @@ def resolve_pretrained(name: str) -> tuple[str, str]:
     return name, name
 
 
-def load_splits(cfg: FinetuneConfig) -> tuple[Any, list[str]]:
+def load_splits(cfg: FinetuneConfig) -> tuple[Any, list[str] | None]:
+    """The task's splits (classification: examples, subsets taken now; LM: whole documents) and label names."""
     dataset = tasks.build_task(cfg.task, **cfg.task_options)
     for split in ("train", cfg.eval_split):
         if split not in dataset:
             raise ValueError(f"task {cfg.task!r} has no split {split!r}; its splits: {', '.join(dataset)}.")
+    if is_lm(cfg):
+        return dataset, None  # the subsets are taken from the chunks (prepare_examples)
+    return take_subsets(cfg, dataset), dataset["train"].features["label"].names
+
+
+def take_subsets(cfg: FinetuneConfig, dataset):
     for split in dataset:
         limit = cfg.max_train_examples if split == "train" else cfg.max_eval_examples
         if limit is not None and limit < len(dataset[split]):
             seed = cfg.seed if split == "train" else 0  # the same evaluation examples whatever the training seed
             dataset[split] = dataset[split].shuffle(seed=seed).select(range(limit))
-    return dataset, dataset["train"].features["label"].names
+    return dataset
 
 
-def load_tokenizer(cfg: FinetuneConfig, model_path: str | None):
+def load_tokenizer(cfg: FinetuneConfig, model_path: str | None, dataset):
     source = cfg.tokenizer_name_or_path or model_path
     if source is not None:
         tokenizer = AutoTokenizer.from_pretrained(resolve_pretrained(source)[0])
+        if is_lm(cfg) and tokenizer.pad_token is None:  # Llama / GPT-2 tokenizers: pad the rare short chunk with EOS
+            tokenizer.pad_token = tokenizer.eos_token
+    elif is_lm(cfg):
+        tokenizer = bpe_tokenizer(dataset["train"]["text"], cfg.tokenizer_vocab_size)
     elif tasks.get_task(cfg.task).tokenizer is not None:
         tokenizer = tasks.get_task(cfg.task).tokenizer()
     else:
@@ -254,6 +322,13 @@ def load_tokenizer(cfg: FinetuneConfig, model_path: str | None):
     return tokenizer
 
 
+def prepare_examples(cfg: FinetuneConfig, dataset, tokenizer):
+    """Token ids per example: LM tasks cut documents into chunks (then take the subsets); others truncate."""
+    if is_lm(cfg):
+        return take_subsets(cfg, chunk_documents(dataset, tokenizer, cfg.max_length, cfg.min_chunk_length))
+    return tokenize(dataset, tokenizer, cfg.max_length)
+
+
 def tokenize(dataset, tokenizer, max_length: int):
     def encode(batch):
         return tokenizer(batch["text"], truncation=True, max_length=max_length)
@@ -262,9 +337,11 @@ def tokenize(dataset, tokenizer, max_length: int):
     return dataset.map(encode, batched=True, remove_columns=drop, desc="tokenizing")
 
 
-def model_config(cfg: FinetuneConfig, model_path: str | None, tokenizer, label_names: list[str]):
-    labels = {"num_labels": len(label_names), "id2label": dict(enumerate(label_names))}
-    labels["label2id"] = {name: i for i, name in enumerate(label_names)}
+def model_config(cfg: FinetuneConfig, model_path: str | None, tokenizer, label_names: list[str] | None):
+    labels = {}
+    if label_names is not None:
+        labels = {"num_labels": len(label_names), "id2label": dict(enumerate(label_names))}
+        labels["label2id"] = {name: i for i, name in enumerate(label_names)}
     if model_path is not None:
         config = AutoConfig.from_pretrained(model_path, **labels)
     else:
@@ -274,7 +351,8 @@ def model_config(cfg: FinetuneConfig, model_path: str | None, tokenizer, label_n
             raise ValueError("model_config needs a model_type (e.g. bert, modernbert, llama).")
         options.setdefault("vocab_size", len(tokenizer))
         options.setdefault("max_position_embeddings", cfg.max_length)
-        options = {**special_token_ids(tokenizer), **options}
+        roles = ("pad", "bos", "eos") if label_names is None else ("pad", "bos", "eos", "cls", "sep")
+        options = {**special_token_ids(tokenizer, roles), **options}
         config = AutoConfig.for_model(model_type, **options, **labels)
     if config.pad_token_id is None:
         config.pad_token_id = tokenizer.pad_token_id
@@ -285,30 +363,36 @@ def model_config(cfg: FinetuneConfig, model_path: str | None, tokenizer, label_n
     return zoo.configure(config, cfg.variant, **cfg.variant_params)
 
 
-def special_token_ids(tokenizer) -> dict[str, int]:
+def special_token_ids(tokenizer, roles: tuple[str, ...]) -> dict[str, int]:
     """pad / bos / eos / cls / sep ids of a tokenizer, for a config built from scratch on its vocabulary.
 
     Config defaults point into the family's own vocabulary (ModernBERT's pad id is 50283), which would be out
     of range for a small task vocabulary such as ListOps'.
     """
     ids = {}
-    for role in ("pad", "bos", "eos", "cls", "sep"):
+    for role in roles:
         token_id = getattr(tokenizer, f"{role}_token_id", None)
         ids[f"{role}_token_id"] = token_id if token_id is not None else tokenizer.pad_token_id
     return ids
 
 
-def build_model(cfg: FinetuneConfig, model_path: str | None, tokenizer, label_names: list[str]):
+def build_model(cfg: FinetuneConfig, model_path: str | None, tokenizer, label_names: list[str] | None):
     config = model_config(cfg, model_path, tokenizer, label_names)
     transformers.set_seed(cfg.seed)  # from-scratch weights and the new classifier head
+    auto_class = AutoModelForCausalLM if label_names is None else AutoModelForSequenceClassification
     if model_path is not None:
-        model = AutoModelForSequenceClassification.from_pretrained(model_path, config=config)
+        model = auto_class.from_pretrained(model_path, config=config)
     else:
-        model = AutoModelForSequenceClassification.from_config(config)
-    # The classification heads average their loss over the batch themselves. Left to its signature check
-    # (forward takes **kwargs), Trainer would assume a summed loss: it would multiply it by the number of
-    # processes and skip the division by gradient_accumulation_steps.
-    model.accepts_loss_kwargs = False
+        model = auto_class.from_config(config)
+    if label_names is None:
+        # Causal-LM losses take num_items_in_batch (tokens over all processes and accumulation steps), as Trainer
+        # expects; the cache is of no use while training and evaluating on whole chunks (restored before saving).
+        model.config.use_cache = False
+    else:
+        # The classification heads average their loss over the batch themselves. Left to its signature check
+        # (forward takes **kwargs), Trainer would assume a summed loss: it would multiply it by the number of
+        # processes and skip the division by gradient_accumulation_steps.
+        model.accepts_loss_kwargs = False
     if model.config._attn_implementation != zoo.IMPLEMENTATION:
         model.set_attn_implementation(zoo.IMPLEMENTATION)
     if cfg.longify and cfg.max_length > position_capacity(model):
@@ -396,8 +480,12 @@ def package_versions() -> dict[str, str]:
     return {name: importlib.metadata.version(name) for name in names}
 
 
-def results_record(cfg, model, tokenizer_outputs, label_names, metrics, speeds, world_size, base_model) -> dict:
-    """results.json: what the model card (:mod:`zoo.card`) and :mod:`zoo.compare` read; keep keys stable."""
+def results_record(cfg, model, examples, outcome: dict, speeds: dict, launch: dict, base_model) -> dict:
+    """results.json: what the model card (:mod:`zoo.card`) and :mod:`zoo.compare` read; keep keys stable.
+
+    ``outcome`` is the task kind's part: classification -> num_labels, label_names, metrics (accuracy, macro-F1,
+    loss); language modelling -> metrics (token loss, perplexity), loss_by_position, generation.
+    """
     spec = zoo.variant_spec(model.config)
     return {
         "task": cfg.task,
@@ -411,14 +499,13 @@ def results_record(cfg, model, tokenizer_outputs, label_names, metrics, speeds, 
         "model_type": model.config.model_type,
         "architecture": type(model).__name__,
         "max_length": cfg.max_length,
-        "num_labels": len(label_names),
-        "label_names": label_names,
-        "num_processes": world_size,
+        "num_processes": launch["world_size"],
+        **launch,
         "seed": cfg.seed,
-        "metrics": {key: float(metrics[key]) for key in ("eval_accuracy", "eval_macro_f1", "eval_loss")},
+        **outcome,
         **speeds,
-        "train_examples": len(tokenizer_outputs["train"]),
-        "eval_examples": len(tokenizer_outputs[cfg.eval_split]),
+        "train_examples": len(examples["train"]),
+        "eval_examples": len(examples[cfg.eval_split]),
         "max_steps": cfg.max_steps if cfg.max_steps > 0 else None,
         "num_train_epochs": float(cfg.num_train_epochs),
         "packages": package_versions(),
@@ -426,13 +513,41 @@ def results_record(cfg, model, tokenizer_outputs, label_names, metrics, speeds, 
     }
 
 
-def write_outputs(out: Path, results: dict, computer: MetricComputer, label_names: list[str]) -> None:
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+def classification_outcome(out: Path, computer: MetricComputer, metrics: dict, label_names: list[str]) -> dict:
+    """Metrics of a classifier; writes eval_predictions.csv (label and prediction per evaluation example)."""
     with open(out / "eval_predictions.csv", "w", newline="") as fh:
         writer = csv.writer(fh)
         writer.writerow(["label", "prediction"])
         pairs = zip(computer.labels, computer.predictions, strict=True)
         writer.writerows((label_names[label], label_names[prediction]) for label, prediction in pairs)
+    return {
+        "num_labels": len(label_names),
+        "label_names": label_names,
+        "metrics": {key: float(metrics[key]) for key in ("eval_accuracy", "eval_macro_f1", "eval_loss")},
+    }
+
+
+def lm_outcome(cfg: FinetuneConfig, out: Path, computer: lm.PositionLoss, metrics: dict, examples) -> dict:
+    """Metrics of a language model; the greedy sample and decode speed come from the saved folder, loaded back
+    with AutoModelForCausalLM as a user would (sample.json / sample.txt)."""
+    token_loss = float(metrics["eval_token_loss"])  # mean over every predicted token (exp: the perplexity)
+    outcome = {
+        "metrics": {"eval_loss": token_loss, "eval_perplexity": float(metrics["eval_perplexity"])},
+        "loss_by_position": computer.by_position,
+        "decode_tokens_per_second": None,
+        "generation": None,
+    }
+    if cfg.generate_new_tokens == 0:
+        return outcome
+    chunk = examples[cfg.eval_split][0]
+    prompt = chunk["input_ids"][: cfg.generate_prompt_tokens or cfg.max_length - cfg.generate_new_tokens]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    sample = lm.generate_sample(model, AutoTokenizer.from_pretrained(out), prompt, cfg.generate_new_tokens)
+    lm.write_sample(out, sample, source=f"{cfg.eval_split} split: {chunk['document']} from token {chunk['start']}")
+    outcome["decode_tokens_per_second"] = sample["decode_tokens_per_second"]
+    keys = ("prompt_tokens", "new_tokens", "prefill_seconds", "decode_tokens_per_second", "threads")
+    outcome["generation"] = {key: sample[key] for key in keys} | {"method": lm.DECODE_SPEED_METHOD}
+    return outcome
 
 
 def publish(cfg: FinetuneConfig, out: Path) -> None:
@@ -458,36 +573,50 @@ def run(cfg: FinetuneConfig) -> dict | None:
     model_path, base_model = resolve_pretrained(cfg.model_name_or_path) if cfg.model_name_or_path else (None, None)
     with args.main_process_first(desc="building the dataset"):
         dataset, label_names = load_splits(cfg)
-        tokenizer = load_tokenizer(cfg, model_path)
-        encoded = tokenize(dataset, tokenizer, cfg.max_length)
+        tokenizer = load_tokenizer(cfg, model_path, dataset)
+        examples = prepare_examples(cfg, dataset, tokenizer)
     model = build_model(cfg, model_path, tokenizer, label_names)
-    computer, throughput = MetricComputer(), Throughput()
-    trainer = Trainer(
+    language_model = label_names is None
+    if language_model:
+        computer, collator = lm.PositionLoss(cfg.max_length), DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    else:
+        computer, collator = MetricComputer(), DataCollatorWithPadding(tokenizer)
+    throughput = Throughput()
+    trainer = distributed.Trainer(
         model=model,
         args=args,
-        train_dataset=encoded["train"],
-        eval_dataset=encoded["validation"] if "validation" in encoded else None,
-        data_collator=DataCollatorWithPadding(tokenizer),
+        train_dataset=examples["train"],
+        eval_dataset=examples["validation"] if "validation" in examples else None,
+        data_collator=collator,
         processing_class=tokenizer,
         compute_metrics=computer,
+        preprocess_logits_for_metrics=lm.per_token_loss if language_model else None,
         callbacks=[JsonlLog(), throughput],
     )
     trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint)
-    metrics = trainer.evaluate(encoded[cfg.eval_split], metric_key_prefix="eval")
-    eval_tokens = sum(len(ids) for ids in encoded[cfg.eval_split]["input_ids"])
+    metrics = trainer.evaluate(examples[cfg.eval_split], metric_key_prefix="eval")
+    eval_tokens = sum(len(ids) for ids in examples[cfg.eval_split]["input_ids"])
     speeds = {
         "train_tokens_per_second": float(throughput.tokens_per_second),
         "eval_tokens_per_second": eval_tokens / max(metrics["eval_runtime"], 1e-9),
         "peak_memory_mb": peak_memory_mb(trainer),
     }
+    launch = distributed.describe(trainer)
+    if language_model:
+        model.config.use_cache = True  # saved for generation
     trainer.save_model(cfg.output_dir)
     trainer.save_state()
     results = None
     if trainer.is_world_process_zero():
+        out = Path(cfg.output_dir)
+        if language_model:
+            outcome = lm_outcome(cfg, out, computer, metrics, examples)
+        else:
+            outcome = classification_outcome(out, computer, metrics, label_names)
         speeds["wall_time_seconds"] = time.perf_counter() - started
-        results = results_record(cfg, model, encoded, label_names, metrics, speeds, args.world_size, base_model)
-        write_outputs(Path(cfg.output_dir), results, computer, label_names)
-        publish(cfg, Path(cfg.output_dir))
+        results = results_record(cfg, model, examples, outcome, speeds, launch, base_model)
+        (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        publish(cfg, out)
     close_process_group(trainer)
     return results
 
@@ -512,11 +641,15 @@ def main(argv: list[str] | None = None) -> None:
     results = run(parse_config(argv))
     if results is not None:
         m = results["metrics"]
+        if "eval_perplexity" in m:
+            decode = results["decode_tokens_per_second"] or 0
+            quality = f"perplexity {m['eval_perplexity']:.2f}  decode {decode:.0f} tok/s"
+        else:
+            quality = f"accuracy {m['eval_accuracy']:.4f}  macro-F1 {m['eval_macro_f1']:.4f}"
         print(
-            f"[{results['task']} / {results['variant']}] accuracy {m['eval_accuracy']:.4f}  macro-F1 "
-            f"{m['eval_macro_f1']:.4f}  train {results['train_tokens_per_second']:.0f} tok/s  peak "
-            f"{results['peak_memory_mb']:.0f} MB  ({results['num_processes']} process(es))"
-            f" -> {results['config']['output_dir']}"
+            f"[{results['task']} / {results['variant']}] {quality}  train {results['train_tokens_per_second']:.0f} "
+            f"tok/s  peak {results['peak_memory_mb']:.0f} MB  ({results['num_processes']} process(es), "
+            f"{results['distributed_type']}) -> {results['config']['output_dir']}"
         )
 
 

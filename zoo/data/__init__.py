@@ -1,12 +1,17 @@
-"""Long-document classification tasks as ``datasets.DatasetDict`` (train / validation / test).
+"""Long-document tasks as ``datasets.DatasetDict`` (train / validation / test).
 
-Every task yields a ``text`` column and a ``label`` ClassLabel column. Built datasets are cached under
-``$ATTENTION_ZOO_CACHE`` (default ``~/.cache/attention_zoo``), keyed by task and options.
+Classification tasks yield a ``text`` column and a ``label`` ClassLabel column; language-modelling tasks
+(``kind="lm"``) yield whole documents, ``text`` and ``document`` (a name), split by document. Built datasets
+are cached under ``$ATTENTION_ZOO_CACHE`` (default ``~/.cache/attention_zoo``), keyed by task and options.
 
 * ``listops`` -- LRA ListOps, generated locally (:mod:`zoo.data.listops`).
 * ``brown`` / ``brown2`` -- Brown corpus genre, 15-way / informative vs. imaginative (:mod:`zoo.data.brown`).
 * ``gutenberg`` -- author attribution over book chunks, split by book (:mod:`zoo.data.gutenberg`).
 * ``hub`` -- any Hub dataset or local files with named text / label columns (:mod:`zoo.data.hub`).
+* ``gutenberg_lm`` -- language modelling on whole books, held-out books for eval (:func:`zoo.data.gutenberg.build_lm`).
+* ``brown_lm`` -- language modelling on Brown documents, split by document (:func:`zoo.data.brown.build_lm`).
+
+:mod:`zoo.data.lm` trains the byte-level BPE tokenizer of LM tasks and cuts documents into chunks.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class Task:
     version: int = 1  # bump when the builder's output changes, so cached copies are rebuilt
     tokenizer: Callable[..., object] | None = None  # tasks with their own vocabulary (ListOps)
     cache: bool = True
+    kind: str = "classification"  # or "lm" (causal language modelling)
 
 
 TASKS: dict[str, Task] = {
@@ -39,6 +45,8 @@ TASKS: dict[str, Task] = {
     "brown2": Task(functools.partial(brown.build, scheme="binary"), brown.SOURCE),
     "gutenberg": Task(gutenberg.build, gutenberg.SOURCE),
     "hub": Task(hub.build, "Hugging Face Hub / local files", cache=False),  # datasets caches Hub data itself
+    "gutenberg_lm": Task(gutenberg.build_lm, gutenberg.SOURCE, kind="lm"),
+    "brown_lm": Task(brown.build_lm, brown.SOURCE, kind="lm"),
 }
 
 

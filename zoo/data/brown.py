@@ -72,3 +72,9 @@ def stratified_splits(dataset: datasets.Dataset, validation_size: float, test_si
         test_size=validation_size / (1 - test_size), stratify_by_column="label", seed=seed
     )
     return datasets.DatasetDict({"train": rest["train"], "validation": rest["test"], "test": first["test"]})
+
+
+def build_lm(validation_size: float = 0.1, test_size: float = 0.1, seed: int = 0) -> datasets.DatasetDict:
+    """Language modelling on whole documents, split by document (stratified by genre): text, document, genre."""
+    splits = build("genre", validation_size=validation_size, test_size=test_size, seed=seed)
+    return splits.remove_columns("label").rename_column("id", "document")

@@ -28,17 +28,25 @@ def options_key(name: str, version: int, options: dict) -> str:
     return f"{name}-v{version}-{digest}"
 
 
-def cached_dataset(key: str, build: Callable[[], datasets.DatasetDict]) -> datasets.DatasetDict:
-    """Load ``key`` from the cache, or build it and save it there (atomically: several processes may race)."""
-    target = cache_dir() / "datasets" / key
+def cached_folder(kind: str, key: str, write: Callable[[Path], None]) -> Path:
+    """``cache_dir()/kind/key``, written by ``write(folder)`` on first use (atomically: several processes may race)."""
+    target = cache_dir() / kind / key
     if target.is_dir():
-        return datasets.load_from_disk(str(target))
-    built = build()
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{key}-"))
-    built.save_to_disk(str(staging))
     try:
+        write(staging)
         staging.rename(target)
     except OSError:  # another process finished first: keep its copy
+        if not target.is_dir():
+            raise
+    finally:
         shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def cached_dataset(key: str, build: Callable[[], datasets.DatasetDict]) -> datasets.DatasetDict:
+    """Load ``key`` from the cache, or build it and save it there."""
+    target = cached_folder("datasets", key, lambda folder: build().save_to_disk(str(folder)))
     return datasets.load_from_disk(str(target))

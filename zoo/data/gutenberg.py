@@ -90,3 +90,47 @@ def build(
         splits[split] = datasets.Dataset.from_list(rows, features=features)
     held_out = splits["train"].train_test_split(test_size=validation_size, stratify_by_column="label", seed=seed)
     return datasets.DatasetDict({"train": held_out["train"], "validation": held_out["test"], "test": splits["test"]})
+
+
+# Held out whole, as PG-19 does: the model never trains on a page of them (prose, ~26K and ~140K words).
+LM_VALIDATION_BOOKS = ("carroll-alice",)
+LM_TEST_BOOKS = ("austen-persuasion", "chesterton-thursday")
+
+
+def build_lm(
+    validation_books: list[str] | tuple[str, ...] = LM_VALIDATION_BOOKS,
+    test_books: list[str] | tuple[str, ...] = LM_TEST_BOOKS,
+    max_words_per_book: int | None = None,
+) -> datasets.DatasetDict:
+    """Language modelling on whole books: ``text`` (a book) and ``document`` (``author-title``) per row.
+
+    Every book belongs to exactly one split; ``max_words_per_book`` keeps the first words of each book (quick runs).
+    """
+    books = {
+        f"{author}-{title}": text
+        for author, titles in read_books(fetch(PACKAGE)).items()
+        for title, text in titles.items()
+    }
+    held_out = {"validation": list(validation_books), "test": list(test_books)}
+    for split, names in held_out.items():
+        unknown = sorted(set(names) - set(books))
+        if unknown or not names:
+            raise ValueError(
+                f"gutenberg_lm: {split}_books={names} must name at least one book and only books of the corpus; "
+                f"unknown: {unknown}. Books: {', '.join(sorted(books))}."
+            )
+    if set(held_out["validation"]) & set(held_out["test"]):
+        raise ValueError("gutenberg_lm: a book is in both validation_books and test_books; keep them disjoint.")
+    if max_words_per_book is not None and max_words_per_book < 1:
+        raise ValueError(f"gutenberg_lm: max_words_per_book={max_words_per_book}; use a positive number or null.")
+    held_out["train"] = sorted(set(books) - set(held_out["validation"]) - set(held_out["test"]))
+
+    def rows(names: list[str]) -> dict[str, list[str]]:
+        texts = [books[name] for name in names]
+        if max_words_per_book is not None:
+            texts = [" ".join(text.split(" ")[:max_words_per_book]) for text in texts]
+        return {"text": texts, "document": names}
+
+    return datasets.DatasetDict(
+        {split: datasets.Dataset.from_dict(rows(held_out[split])) for split in ("train", "validation", "test")}
+    )

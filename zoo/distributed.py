@@ -1,0 +1,115 @@
+"""How a run is distributed: refuse launches that cannot run here, run FSDP on CPU, record what really ran.
+
+accelerate 1.15 (verified) reads the launcher's choice from environment variables (``ACCELERATE_USE_FSDP``,
+``ACCELERATE_USE_DEEPSPEED``, ``FSDP_*``). Without an accelerator, zoo.train asks for the CPU (``use_cpu``, the only
+way to get a multi-process gloo group), and accelerate then decides "MULTI_CPU" and drops both plugins: an FSDP or
+DeepSpeed config silently trains with plain DDP. Hence:
+
+* :func:`check_launch` refuses, before any data or model is loaded, what cannot run here (DeepSpeed without a CUDA
+  GPU or without its package; FSDP 1 on CPU), naming the alternative.
+* :class:`Trainer` turns the launcher's FSDP 2 back on for a CPU group: accelerate's state is set to FSDP with the
+  launcher's plugin right after the Accelerator is created (torch's ``fully_shard`` runs on CPU over gloo; only the
+  state machine of accelerate excludes it). The recipe test checks that each of 2 ranks then holds half of the
+  parameters and that the saved model is a full state dict; the patch is guarded and says so if accelerate changes.
+* :func:`describe` records the distributed type (single, DDP, FSDP, DeepSpeed), the world size and the parameters
+  each rank holds (``parameters.per_rank``: about total / world size under FSDP, total under DDP).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+import transformers
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+KIND_NAMES = {
+    DistributedType.NO: "single",
+    DistributedType.FSDP: "FSDP",
+    DistributedType.DEEPSPEED: "DeepSpeed",
+    DistributedType.MEGATRON_LM: "Megatron-LM",
+    DistributedType.XLA: "XLA",
+}  # every other type (MULTI_CPU, MULTI_GPU, MULTI_XPU, ...) is DistributedDataParallel: "DDP"
+
+
+def _launcher_asks(name: str) -> bool:
+    return os.environ.get(name, "false").lower() == "true"
+
+
+def check_launch(accelerator_available: bool) -> None:
+    """Refuse a launch configuration that cannot run on this machine (before anything is loaded)."""
+    if _launcher_asks("ACCELERATE_USE_DEEPSPEED"):
+        if importlib.util.find_spec("deepspeed") is None:
+            raise RuntimeError(
+                "the launcher asks for DeepSpeed, which is not installed: `pip install deepspeed` (it needs a CUDA "
+                "GPU). Without a GPU use recipes/accelerate/fsdp.yaml (sharded) or multi_cpu.yaml (DDP) instead."
+            )
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "the launcher asks for DeepSpeed, which needs a CUDA GPU, and this machine has none (accelerate "
+                "would silently train with plain DDP on the CPU). Use recipes/accelerate/fsdp.yaml to shard the "
+                "model over CPU processes, or multi_cpu.yaml for DDP."
+            )
+    if _launcher_asks("ACCELERATE_USE_FSDP") and not accelerator_available:
+        if os.environ.get("FSDP_VERSION", "1") != "2":
+            raise RuntimeError(
+                "the launcher asks for FSDP version 1, which does not run on CPU. Set `fsdp_version: 2` in the "
+                "accelerate config (recipes/accelerate/fsdp.yaml does)."
+            )
+
+
+class Trainer(transformers.Trainer):
+    """transformers' Trainer that also shards with the launcher's FSDP 2 config when the group runs on CPU."""
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        if _launcher_asks("ACCELERATE_USE_FSDP") and self.accelerator.distributed_type == DistributedType.MULTI_CPU:
+            self._enable_fsdp_on_cpu()
+
+    def _enable_fsdp_on_cpu(self) -> None:
+        plugin_args = self.args.fsdp_plugin_args or {}
+        plugin = FullyShardedDataParallelPlugin(**plugin_args)  # the launcher's FSDP_* settings
+        state = self.accelerator.state
+        if state.mixed_precision != "no":
+            plugin.set_mixed_precision(state.mixed_precision)
+        shared = (PartialState._shared_state, AcceleratorState._shared_state)
+        if not all(isinstance(s, dict) and s.get("distributed_type") == DistributedType.MULTI_CPU for s in shared):
+            raise RuntimeError(
+                f"FSDP on CPU: accelerate {_version('accelerate')} keeps its state differently from 1.15, the version "
+                "this workaround was written for. Use recipes/accelerate/multi_cpu.yaml (DDP) on this machine."
+            )
+        # Both singletons: every AcceleratorState() call copies PartialState's fields over its own.
+        for s in shared:
+            s["distributed_type"] = DistributedType.FSDP
+        state.fsdp_plugin = plugin
+        self.is_fsdp_enabled = True
+
+
+def _version(package: str) -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version(package)
+
+
+def local_numel(parameter: torch.Tensor) -> int:
+    """Elements this rank stores: a sharded (DTensor) parameter's local shard, else the whole parameter."""
+    to_local = getattr(parameter, "to_local", None)
+    return to_local().numel() if to_local is not None else parameter.numel()
+
+
+def describe(trainer: transformers.Trainer) -> dict:
+    """Distributed type, world size and parameters per rank (a collective call: every process must make it)."""
+    accelerator = trainer.accelerator
+    parameters = list(trainer.model_wrapped.parameters())
+    local = torch.tensor([sum(local_numel(p) for p in parameters)], device=accelerator.device)
+    return {
+        "distributed_type": KIND_NAMES.get(accelerator.distributed_type, "DDP"),
+        "accelerate_distributed_type": str(accelerator.distributed_type.value),
+        "world_size": accelerator.num_processes,
+        "parameters": {
+            "total": sum(p.numel() for p in parameters),
+            "per_rank": [int(n) for n in accelerator.gather(local).tolist()],
+        },
+    }
