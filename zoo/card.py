@@ -24,6 +24,7 @@ from zoo.reporting import markdown_table, significant
 CARD_NAME = "README.md"
 CONFIG_NAME = "config.json"
 RESULTS_NAME = "results.json"
+SAMPLE_NAME = "sample.json"  # language models: a greedy continuation of a held-out passage (zoo.lm.write_sample)
 ZOO_TAG = "attention-zoo"
 PLACEHOLDER_REPO_ID = "ORG/NAME"
 
@@ -70,13 +71,19 @@ def read_results(folder: str | Path) -> dict[str, Any] | None:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
+def read_sample(folder: str | Path) -> dict[str, Any] | None:
+    """sample.json of a language model's output folder, or None."""
+    path = Path(folder) / SAMPLE_NAME
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
 def build_model_card(output_dir: str | Path, repo_id: str | None = None) -> ModelCard:
     """The model card of ``output_dir``, in memory; ``repo_id`` (ORG/NAME) goes into the loading snippet."""
     config = read_zoo_config(output_dir)
     results = _without_secrets(read_results(output_dir) or {})
     name = repo_id.split("/")[-1] if repo_id else Path(output_dir).resolve().name
     data = card_data(config, results, model_name=name)
-    body = card_body(config, results, repo_id or PLACEHOLDER_REPO_ID, name)
+    body = card_body(config, results, repo_id or PLACEHOLDER_REPO_ID, name, read_sample(output_dir))
     return ModelCard(_redact_token(f"---\n{data.to_yaml()}\n---\n{body}"))
 
 
@@ -117,12 +124,13 @@ def card_data(config: dict[str, Any], results: dict[str, Any], model_name: str) 
 def _eval_results(
     metrics: dict[str, Any], pipeline_tag: str | None, dataset_id: str | None, dataset: str | None, split: str
 ) -> list[EvalResult]:
-    """The model-index entries: accuracy, macro F1 and loss on the evaluation split."""
+    """The model-index entries: accuracy, macro F1, perplexity and loss on the evaluation split."""
     if not dataset_id:
         return []
     known = [  # (results.json key, Hub metric id, pretty name, metric args)
         ("eval_accuracy", "accuracy", "Accuracy", None),
         ("eval_macro_f1", "f1", "Macro F1", {"average": "macro"}),
+        ("eval_perplexity", "perplexity", "Perplexity", None),
         ("eval_loss", "loss", "Eval loss", None),
     ]
     return [
@@ -171,7 +179,9 @@ def _head_of(architecture: str) -> tuple[str, str | None]:
 # body
 
 
-def card_body(config: dict[str, Any], results: dict[str, Any], repo_id: str, name: str) -> str:
+def card_body(
+    config: dict[str, Any], results: dict[str, Any], repo_id: str, name: str, sample: dict[str, Any] | None = None
+) -> str:
     spec = config["attention_zoo"]
     architecture = _architecture(config, results)
     sections = [
@@ -179,6 +189,8 @@ def card_body(config: dict[str, Any], results: dict[str, Any], repo_id: str, nam
         _variant_section(spec),
         _loading_section(spec, architecture, repo_id),
         _results_section(results),
+        _position_section(results),
+        _sample_section(sample),
         _speed_section(results),
         _training_section(results),
     ]
@@ -221,10 +233,17 @@ def _loading_section(spec: dict[str, Any], architecture: str, repo_id: str) -> s
         f"from transformers import AutoTokenizer, {auto_class}\n\n"
         f'model = {auto_class}.from_pretrained("{repo_id}")\n'
         f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")\n'
+        f"{_GENERATE_SNIPPET if auto_class == 'AutoModelForCausalLM' else ''}"
         "```\n\n"
         "No `trust_remote_code` is needed. Without `import zoo`, transformers refuses the model's attention "
         "implementation instead of silently running dense attention."
     )
+
+
+_GENERATE_SNIPPET = (
+    'inputs = tokenizer("It was a bright cold day", return_tensors="pt")\n'
+    "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=64)[0]))\n"
+)
 
 
 def _results_section(results: dict[str, Any]) -> str:
@@ -236,14 +255,41 @@ def _results_section(results: dict[str, Any]) -> str:
     return f"## Results\n\n{table}\n\n{counts}, max_length {results.get('max_length')}."
 
 
+def _position_section(results: dict[str, Any]) -> str:
+    buckets = [b for b in results.get("loss_by_position") or [] if b.get("loss") is not None]
+    if not buckets:
+        return ""
+    table = markdown_table(
+        ["token position", "mean loss", "tokens"], [[b["bucket"], f"{b['loss']:.4f}", b["tokens"]] for b in buckets]
+    )
+    return (
+        "## Loss by token position\n\nEvaluation chunks never cross a document boundary, so a token at position p is "
+        "predicted from the p tokens of its own document before it; a lower loss in the late buckets means the "
+        "model uses far context.\n\n" + "\n".join(table)
+    )
+
+
+def _sample_section(sample: dict[str, Any] | None) -> str:
+    if not sample:
+        return ""
+    return (
+        f"## Sample\n\nGreedy continuation ({sample['new_tokens']} tokens) of a held-out passage ({sample['source']}, "
+        f"{sample['prompt_tokens']} prompt tokens); the prompt's end, then the continuation:\n\n"
+        f"```text\n{sample['prompt_tail']}\n```\n\n```text\n{sample['continuation']}\n```"
+    )
+
+
 def _speed_section(results: dict[str, Any]) -> str:
     columns = {  # results.json key -> column title
         "train_tokens_per_second": "train tokens/s",
         "eval_tokens_per_second": "eval tokens/s",
+        "decode_tokens_per_second": "decode tokens/s",
         "peak_memory_mb": "peak memory (MB)",
         "wall_time_seconds": "wall time (s)",
         "num_processes": "processes",
+        "distributed_type": "distributed",
     }
+    columns = {k: v for k, v in columns.items() if k in results}  # e.g. no decode speed for a classifier
     if not any(results.get(k) is not None for k in columns):
         return ""
     table = markdown_table(list(columns.values()), [[significant(results.get(k)) for k in columns]])

@@ -5,7 +5,10 @@
 variant that crashes, runs out of memory or is not installed is recorded in the table and the others go
 on. Writes ``results.md``, ``results.csv``, ``results.json`` and, per task, ``lra_<task>.png`` (accuracy
 against training tokens/s, bubble area = peak memory, as in the LRA paper's figure) and
-``accuracy_<task>.png`` (error bars: standard deviation over seeds).
+``accuracy_<task>.png`` (error bars: standard deviation over seeds). Language-modelling tasks (gutenberg_lm,
+brown_lm) report eval loss, perplexity, loss by token position and decode tokens/s instead of accuracy: the
+charts are ``lra_<task>.png`` with perplexity, ``perplexity_<task>.png`` and ``loss_by_position_<task>.png``
+(mean loss per position bucket, one line per variant: the lower the late buckets, the more far context is used).
 
 Config keys::
 
@@ -44,13 +47,19 @@ from typing import Any
 import yaml
 from tqdm.auto import tqdm
 
+from zoo.data import get_task
 from zoo.reporting import fixed, markdown_table, pyplot, save_figure, write_csv
 from zoo.train import FinetuneConfig, check_known_keys, load_yaml, package_versions
 
 COMPARE_KEYS = ("output_dir", "launcher", "seeds", "timeout_minutes", "overrides", "variants", "tasks")
 TASK_KEYS = ("name", "config", "overrides", "variants")
-METRIC_COLUMNS = ("eval_accuracy", "eval_macro_f1", "eval_loss")
-SPEED_COLUMNS = ("train_tokens_per_second", "eval_tokens_per_second", "peak_memory_mb", "wall_time_seconds")
+METRIC_COLUMNS = ("eval_accuracy", "eval_macro_f1", "eval_loss", "eval_perplexity")
+SPEED_COLUMNS = (
+    "train_tokens_per_second", "eval_tokens_per_second", "decode_tokens_per_second", "peak_memory_mb",
+    "wall_time_seconds",
+)  # fmt: skip
+# The headline metric of a task kind: results.json key and its label (accuracy: higher is better; perplexity: lower).
+HEADLINE = {"classification": ("eval_accuracy", "accuracy"), "lm": ("eval_perplexity", "perplexity")}
 
 
 @dataclass
@@ -60,6 +69,7 @@ class Run:
     seed: int
     config: dict
     run_dir: Path
+    kind: str = "classification"  # the task's kind: classification | lm
 
 
 @dataclass
@@ -111,7 +121,8 @@ def plan_runs(cfg: dict, output_dir: Path) -> list[Run]:
             for seed in cfg["seeds"]:
                 run_dir = output_dir / "runs" / task["name"] / variant_label(entry) / f"seed{seed}"
                 config = {**merged, "seed": seed, "output_dir": str(run_dir), "overwrite_output_dir": True}
-                runs.append(Run(task["name"], variant_label(entry), seed, config, run_dir))
+                kind = get_task(config.get("task", "")).kind
+                runs.append(Run(task["name"], variant_label(entry), seed, config, run_dir, kind))
     return runs
 
 
@@ -192,6 +203,7 @@ def row_for(run: Run, outcome: Outcome) -> dict[str, Any]:
     results = outcome.results
     row = {
         "task": run.task,
+        "kind": run.kind,
         "name": run.name,
         "variant": run.config.get("variant", "sdpa"),
         "variant_params": run.config.get("variant_params") or {},
@@ -202,6 +214,7 @@ def row_for(run: Run, outcome: Outcome) -> dict[str, Any]:
     }
     row.update({key: results.get("metrics", {}).get(key) for key in METRIC_COLUMNS})
     row.update({key: results.get(key) for key in SPEED_COLUMNS})
+    row["loss_by_position"] = results.get("loss_by_position")
     row.update({"num_processes": results.get("num_processes"), "run_dir": str(run.run_dir)})
     return row
 
@@ -215,7 +228,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     for group in groups.values():
         done = [r for r in group if r["status"] == "ok"]
         first = group[0]
-        entry = {k: first[k] for k in ("task", "name", "variant", "variant_params", "max_length")}
+        entry = {k: first[k] for k in ("task", "kind", "name", "variant", "variant_params", "max_length")}
         entry["seeds_ok"], entry["seeds"] = len(done), len(group)
         failed = next((r for r in group if r["status"] != "ok"), None)
         entry["status"] = "ok" if failed is None else failed["status"]
@@ -226,8 +239,21 @@ def summarize(rows: list[dict]) -> list[dict]:
             entry[key] = statistics.fmean(values) if values else None
             if key in METRIC_COLUMNS:
                 entry[f"{key}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0 if values else None
+        entry["loss_by_position"] = mean_loss_by_position([r["loss_by_position"] for r in done])
         summary.append(entry)
     return summary
+
+
+def mean_loss_by_position(runs: list[list[dict]]) -> list[dict] | None:
+    """Bucket-wise mean of the seeds' loss-by-position lists (same max_length, so the same buckets)."""
+    runs = [buckets for buckets in runs if buckets]
+    if not runs:
+        return None
+    merged = []
+    for buckets in zip(*runs, strict=True):
+        losses = [b["loss"] for b in buckets if b["loss"] is not None]
+        merged.append({**buckets[0], "loss": statistics.fmean(losses) if losses else None})
+    return merged
 
 
 def markdown_report(cfg: dict, summary: list[dict], config_path: str, minutes: float) -> str:
@@ -237,28 +263,65 @@ def markdown_report(cfg: dict, summary: list[dict], config_path: str, minutes: f
         "",
         f"Config `{config_path}`; launcher `{cfg['launcher'] or 'python (1 process)'}`; seeds {cfg['seeds']}; "
         f"{minutes:.1f} minutes in all. Packages: {packages}.",
-        "Accuracy and macro-F1 on each task's evaluation split (mean ± std over seeds); train tokens/s counts "
-        "non-padding tokens over all processes; peak memory is the largest process's (CPU: max RSS; GPU: peak "
-        "allocation).",
+        "Metrics on each task's evaluation split (mean ± std over seeds); train tokens/s counts non-padding tokens "
+        "over all processes; peak memory is the largest process's (CPU: max RSS; GPU: peak allocation).",
     ]
-    header = ["variant", "params", "max_length", "accuracy", "macro-F1", "train tok/s", "eval tok/s", "peak MB",
-              "wall s", "status"]
     for task in dict.fromkeys(r["task"] for r in summary):
+        rows = [r for r in summary if r["task"] == task]
         lines += ["", f"## {task}", ""]
-        table = []
-        for r in (r for r in summary if r["task"] == task):
-            params = ", ".join(f"{k}={v}" for k, v in r["variant_params"].items()) or "–"
-            acc = "–" if r["eval_accuracy"] is None else f"{r['eval_accuracy']:.3f} ± {r['eval_accuracy_std']:.3f}"
-            f1 = "–" if r["eval_macro_f1"] is None else f"{r['eval_macro_f1']:.3f} ± {r['eval_macro_f1_std']:.3f}"
-            speeds = [fixed(r[key], 0, grouping=True) for key in SPEED_COLUMNS]
-            table.append([r["name"], params, r["max_length"], acc, f1, *speeds, r["status"]])
-        lines += markdown_table(header, table, align="llrrrrrrrl")
-        notes = [r for r in summary if r["task"] == task and r["error"]]
+        lines += lm_tables(rows) if rows[0]["kind"] == "lm" else classification_table(rows)
+        notes = [r for r in rows if r["error"]]
         if notes:
             lines += ["", "Failures and notes:", ""]
             lines += [f"- **{r['name']}** ({r['status']}): {r['error']}" for r in notes]
-        lines += ["", f"![LRA-style chart]({plot_name('lra', task)})", f"![accuracy]({plot_name('accuracy', task)})"]
+        metric, label = HEADLINE[rows[0]["kind"]]
+        lines += ["", f"![LRA-style chart]({plot_name('lra', task)})", f"![{label}]({plot_name(label, task)})"]
+        if rows[0]["kind"] == "lm":
+            lines.append(f"![loss by position]({plot_name('loss_by_position', task)})")
     return "\n".join(lines) + "\n"
+
+
+def _mean_std(row: dict, key: str) -> str:
+    return "–" if row[key] is None else f"{row[key]:.3f} ± {row[f'{key}_std']:.3f}"
+
+
+def _params(row: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in row["variant_params"].items()) or "–"
+
+
+def classification_table(rows: list[dict]) -> list[str]:
+    header = ["variant", "params", "max_length", "accuracy", "macro-F1", "train tok/s", "eval tok/s", "peak MB",
+              "wall s", "status"]  # fmt: skip
+    speeds = ("train_tokens_per_second", "eval_tokens_per_second", "peak_memory_mb", "wall_time_seconds")
+    table = [
+        [r["name"], _params(r), r["max_length"], _mean_std(r, "eval_accuracy"), _mean_std(r, "eval_macro_f1"),
+         *(fixed(r[key], 0, grouping=True) for key in speeds), r["status"]]
+        for r in rows
+    ]  # fmt: skip
+    return markdown_table(header, table, align="llrrrrrrrl")
+
+
+def lm_tables(rows: list[dict]) -> list[str]:
+    """The main table (loss, perplexity, speeds, memory) and the loss-by-position table (one column per bucket)."""
+    header = ["variant", "params", "max_length", "eval loss", "perplexity", "train tok/s", "decode tok/s",
+              "peak MB", "wall s", "status"]  # fmt: skip
+    speeds = ("train_tokens_per_second", "decode_tokens_per_second", "peak_memory_mb", "wall_time_seconds")
+    table = [
+        [r["name"], _params(r), r["max_length"], _mean_std(r, "eval_loss"), fixed(r["eval_perplexity"], 1),
+         *(fixed(r[key], 0, grouping=True) for key in speeds), r["status"]]
+        for r in rows
+    ]  # fmt: skip
+    lines = markdown_table(header, table, align="llrrrrrrrl")
+    buckets = max((r["loss_by_position"] or [] for r in rows), key=len)
+    if buckets:
+        lines += ["", "Mean eval loss by token position (a token at position p is predicted from the p tokens of its "
+                  "own document before it; lower late buckets = far context used):", ""]  # fmt: skip
+        table = []
+        for r in rows:
+            losses = {b["bucket"]: b["loss"] for b in r["loss_by_position"] or []}
+            table.append([r["name"], *(fixed(losses.get(b["bucket"]), 3) for b in buckets)])
+        lines += markdown_table(["variant", *(b["bucket"] for b in buckets)], table, align="l" + "r" * len(buckets))
+    return lines
 
 
 def plot_name(kind: str, task: str) -> str:
@@ -269,32 +332,61 @@ def write_plots(summary: list[dict], out: Path) -> None:
     plt = pyplot()
     for task in dict.fromkeys(r["task"] for r in summary):
         rows = [r for r in summary if r["task"] == task]
-        done = [r for r in rows if r["status"] == "ok" or r["eval_accuracy"] is not None]
+        metric, label = HEADLINE[rows[0]["kind"]]
+        done = [r for r in rows if r[metric] is not None]
         fig, ax = plt.subplots(figsize=(7, 5))
         if done:
             memory = [r["peak_memory_mb"] or 1.0 for r in done]
             sizes = [2000 * m / max(memory) for m in memory]
             speed = [r["train_tokens_per_second"] for r in done]
-            accuracy = [r["eval_accuracy"] for r in done]
-            ax.scatter(speed, accuracy, s=sizes, alpha=0.45)
-            for r, x, y in zip(done, speed, accuracy, strict=True):
+            values = [r[metric] for r in done]
+            ax.scatter(speed, values, s=sizes, alpha=0.45)
+            for r, x, y in zip(done, speed, values, strict=True):
                 ax.annotate(r["name"], (x, y), ha="center", fontsize=9)
-        title = f"{task}: accuracy vs speed (area: peak memory)"
-        ax.set(xlabel="training tokens / second", ylabel="accuracy", title=title)
+        title = f"{task}: {label} vs speed (area: peak memory)"
+        ax.set(xlabel="training tokens / second", ylabel=label, title=title)
         save_figure(fig, out / plot_name("lra", task))
 
         fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(rows) + 2), 4))
         names = [r["name"] for r in rows]
-        values = [r["eval_accuracy"] or 0.0 for r in rows]
-        errors = [r["eval_accuracy_std"] or 0.0 for r in rows]
+        values = [r[metric] or 0.0 for r in rows]
+        errors = [r[f"{metric}_std"] or 0.0 for r in rows]
         colors = ["tab:blue" if r["status"] == "ok" else "lightgray" for r in rows]
         ax.bar(names, values, yerr=errors if any(errors) else None, capsize=4, color=colors)
         for i, r in enumerate(rows):
             if r["status"] != "ok":
                 ax.text(i, 0.01, r["status"], ha="center", va="bottom", rotation=90, fontsize=8)
-        ax.set(ylabel="accuracy", title=f"{task}: accuracy per variant")
+        ax.set(ylabel=label, title=f"{task}: {label} per variant")
         ax.tick_params(axis="x", rotation=30)
-        save_figure(fig, out / plot_name("accuracy", task))
+        save_figure(fig, out / plot_name(label, task))
+        if rows[0]["kind"] == "lm":
+            plot_loss_by_position(plt, task, rows, out)
+
+
+def plot_loss_by_position(plt, task: str, rows: list[dict], out: Path) -> None:
+    """Mean eval loss per position bucket, one line per variant (x: bucket, log-spaced positions)."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ticks = {}
+    for r in rows:
+        buckets = [b for b in r["loss_by_position"] or [] if b["loss"] is not None]
+        if buckets:
+            middle = [(max(b["start"], 1) * b["end"]) ** 0.5 for b in buckets]  # geometric middle of the bucket
+            ticks.update(zip(middle, (b["bucket"] for b in buckets), strict=True))
+            ax.plot(middle, [b["loss"] for b in buckets], marker="o", label=f"{r['name']} ({r['max_length']})")
+    ax.set_xscale("log")
+    ax.set_xticks(list(ticks), list(ticks.values()))
+    ax.minorticks_off()
+    ax.set(xlabel="token position in the chunk", ylabel="mean eval loss (nats)")
+    ax.set_title(f"{task}: loss by token position")
+    if ax.lines:
+        ax.legend(fontsize=8)
+    save_figure(fig, out / plot_name("loss_by_position", task))
+
+
+def csv_row(row: dict) -> dict:
+    """Nested values as JSON text: variant_params, loss_by_position ({bucket: loss})."""
+    by_position = {b["bucket"]: b["loss"] for b in row["loss_by_position"] or []}
+    return {**row, "variant_params": json.dumps(row["variant_params"]), "loss_by_position": json.dumps(by_position)}
 
 
 def write_report(cfg: dict, rows: list[dict], out: Path, config_path: str, minutes: float) -> list[dict]:
@@ -302,8 +394,7 @@ def write_report(cfg: dict, rows: list[dict], out: Path, config_path: str, minut
     (out / "results.json").write_text(
         json.dumps({"config": cfg, "packages": package_versions(), "runs": rows, "summary": summary}, indent=2) + "\n"
     )
-    csv_rows = [{**r, "variant_params": json.dumps(r["variant_params"])} for r in rows]
-    write_csv(out / "results.csv", csv_rows, list(rows[0]))
+    write_csv(out / "results.csv", [csv_row(r) for r in rows], list(rows[0]))
     write_plots(summary, out)
     (out / "results.md").write_text(markdown_report(cfg, summary, config_path, minutes))
     return summary
@@ -334,8 +425,9 @@ def compare(config_path: str, output_dir: str | None = None, overwrite: bool = F
         progress.set_postfix_str(f"{run.task} / {run.name} / seed {run.seed}")
         outcome = launch(run, cfg["launcher"], cfg["timeout_minutes"] * 60)
         rows.append(row_for(run, outcome))
-        accuracy = outcome.results.get("metrics", {}).get("eval_accuracy")
-        detail = f"accuracy {accuracy:.4f}" if accuracy is not None else outcome.error[:200]
+        metric, label = HEADLINE[run.kind]
+        value = outcome.results.get("metrics", {}).get(metric)
+        detail = f"{label} {value:.4f}" if value is not None else outcome.error[:200]
         progress.write(f"{run.task:>10} / {run.name:<20} seed {run.seed}: {outcome.status}  {detail}")
         write_report(cfg, rows, out, config_path, (time.perf_counter() - started) / 60)  # partial report as it goes
     summary = write_report(cfg, rows, out, config_path, (time.perf_counter() - started) / 60)

@@ -99,17 +99,25 @@ def local_numel(parameter: torch.Tensor) -> int:
     return to_local().numel() if to_local is not None else parameter.numel()
 
 
-def describe(trainer: transformers.Trainer) -> dict:
+class ParameterCount(transformers.TrainerCallback):
+    """Parameters of the prepared model, whole and on this rank, when training starts (every shard at rest:
+    FSDP keeps its root unit unsharded after an evaluation forward, so counting at the end would overstate)."""
+
+    total = local = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        parameters = list(model.parameters())
+        self.total = sum(p.numel() for p in parameters)  # a DTensor's numel is the full parameter's
+        self.local = sum(local_numel(p) for p in parameters)
+
+
+def describe(trainer: transformers.Trainer, count: ParameterCount) -> dict:
     """Distributed type, world size and parameters per rank (a collective call: every process must make it)."""
     accelerator = trainer.accelerator
-    parameters = list(trainer.model_wrapped.parameters())
-    local = torch.tensor([sum(local_numel(p) for p in parameters)], device=accelerator.device)
+    local = torch.tensor([count.local or 0], device=accelerator.device)
     return {
         "distributed_type": KIND_NAMES.get(accelerator.distributed_type, "DDP"),
         "accelerate_distributed_type": str(accelerator.distributed_type.value),
         "world_size": accelerator.num_processes,
-        "parameters": {
-            "total": sum(p.numel() for p in parameters),
-            "per_rank": [int(n) for n in accelerator.gather(local).tolist()],
-        },
+        "parameters": {"total": count.total, "per_rank": [int(n) for n in accelerator.gather(local).tolist()]},
     }

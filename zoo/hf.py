@@ -64,7 +64,7 @@ def configure(target: PretrainedConfig | PreTrainedModel, name: str, **params: A
     _check_model_supported(config, model)
     cls = get_variant_class(name)
     variant = cls(**params)
-    if _is_decoder_only(config) and not cls.supports_causal:
+    if is_decoder_only(config) and not cls.supports_causal:
         raise ValueError(
             f"attention-zoo variant {name!r} does not support causal attention, but {config.model_type!r} is a "
             f"causal decoder. Pick a variant with causal support (see `zoo list`)."
@@ -108,7 +108,8 @@ def _check_model_supported(config: PretrainedConfig, model: PreTrainedModel | No
         )
 
 
-def _is_decoder_only(config: PretrainedConfig) -> bool:
+def is_decoder_only(config: PretrainedConfig) -> bool:
+    """A causal decoder: a causal-LM family that is not also a masked-LM family, or a config with is_decoder."""
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,

@@ -48,13 +48,13 @@ from transformers import (
     TrainerCallback,
     TrainingArguments,
 )
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import zoo
 from zoo import data as tasks
 from zoo import distributed, lm
 from zoo import metrics as zoo_metrics
 from zoo.data.lm import bpe_tokenizer, chunk_documents
+from zoo.hf import is_decoder_only
 from zoo.longify import check_max_length, longify, position_capacity
 from zoo.reporting import MB, peak_memory_bytes
 
@@ -234,11 +234,12 @@ def check_lm_config(cfg: FinetuneConfig, variant: zoo.Variant) -> None:
             f"task {cfg.task!r} trains a causal language model, but variant {cfg.variant!r} does not support causal "
             "attention. Pick a variant with causal support (see `zoo list`)."
         )
-    model_type = (cfg.model_config or {}).get("model_type")
-    if model_type is not None and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    options = dict(cfg.model_config or {})
+    model_type = options.pop("model_type", None)
+    if model_type is not None and not is_decoder_only(AutoConfig.for_model(model_type, **options)):
         raise ValueError(
-            f"task {cfg.task!r} trains a causal language model, but model_type {model_type!r} has no causal-LM "
-            "class in transformers; use a decoder such as llama, mistral, qwen2 or gpt2."
+            f"task {cfg.task!r} trains a causal language model, but model_type {model_type!r} is not a causal decoder "
+            "(its attention would see the tokens it predicts); use a decoder such as llama, mistral, qwen2 or gpt2."
         )
     if cfg.generate_new_tokens < 0 or cfg.generate_new_tokens >= cfg.max_length:
         raise ValueError(f"generate_new_tokens={cfg.generate_new_tokens} must lie in [0, max_length).")
@@ -581,7 +582,7 @@ def run(cfg: FinetuneConfig) -> dict | None:
         computer, collator = lm.PositionLoss(cfg.max_length), DataCollatorForLanguageModeling(tokenizer, mlm=False)
     else:
         computer, collator = MetricComputer(), DataCollatorWithPadding(tokenizer)
-    throughput = Throughput()
+    throughput, parameter_count = Throughput(), distributed.ParameterCount()
     trainer = distributed.Trainer(
         model=model,
         args=args,
@@ -591,7 +592,7 @@ def run(cfg: FinetuneConfig) -> dict | None:
         processing_class=tokenizer,
         compute_metrics=computer,
         preprocess_logits_for_metrics=lm.per_token_loss if language_model else None,
-        callbacks=[JsonlLog(), throughput],
+        callbacks=[JsonlLog(), throughput, parameter_count],
     )
     trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint)
     metrics = trainer.evaluate(examples[cfg.eval_split], metric_key_prefix="eval")
@@ -601,7 +602,7 @@ def run(cfg: FinetuneConfig) -> dict | None:
         "eval_tokens_per_second": eval_tokens / max(metrics["eval_runtime"], 1e-9),
         "peak_memory_mb": peak_memory_mb(trainer),
     }
-    launch = distributed.describe(trainer)
+    launch = distributed.describe(trainer, parameter_count)
     if language_model:
         model.config.use_cache = True  # saved for generation
     trainer.save_model(cfg.output_dir)
