@@ -26,7 +26,8 @@ RESULTS_KEYS = {
     "task", "dataset", "variant", "variant_params", "variant_package", "variant_version", "model", "base_model",
     "model_type", "architecture", "max_length", "num_labels", "label_names", "num_processes", "seed", "metrics",
     "train_tokens_per_second", "eval_tokens_per_second", "peak_memory_mb", "wall_time_seconds", "train_examples",
-    "eval_examples", "max_steps", "num_train_epochs", "packages", "config",
+    "eval_examples", "max_steps", "num_train_epochs", "packages", "config", "distributed_type",
+    "accelerate_distributed_type", "world_size", "parameters",
 }  # fmt: skip
 # 40 train examples, batch 8: 5 steps per epoch, so 8 steps cross an epoch and a resume at step 4 lands mid-epoch.
 # 13 test examples: not a multiple of 2 processes x 4, so the last evaluation batch is padded with repeats.
@@ -122,6 +123,7 @@ def test_two_processes_count_every_eval_example_once(workdir, tiny_config, env):
     finetune(tiny_config, env, "--output_dir", out, "--save_strategy", "no", launcher=MULTI_CPU)
     record = results(out)
     assert record["num_processes"] == 2 and record["eval_examples"] == 13
+    assert record["distributed_type"] == "DDP" and record["world_size"] == 2
     with open(out / "eval_predictions.csv") as fh:
         rows = list(csv.DictReader(fh))
     test_split = build_task("listops", **TINY["task_options"])["test"]
