@@ -88,8 +88,8 @@ class PositionLoss:
         return metrics
 
 
-class TimingStreamer(BaseStreamer):
-    """Records when generate() hands out the prompt and each new token (time stamps, not text)."""
+class TokenClock(BaseStreamer):
+    """A streamer that records when each batch of tokens arrives (the first ``put`` is the prompt)."""
 
     def __init__(self) -> None:
         self.stamps: list[float] = []
@@ -99,6 +99,11 @@ class TimingStreamer(BaseStreamer):
 
     def end(self) -> None:
         pass
+
+    def token_gaps(self) -> list[float]:
+        """Seconds between consecutive generated tokens (prompt and first token, which carries the prefill, out)."""
+        generated = self.stamps[1:]
+        return [b - a for a, b in zip(generated, generated[1:], strict=False)]
 
 
 def generate_sample(model, tokenizer, prompt_ids: list[int], new_tokens: int) -> dict:
@@ -113,17 +118,16 @@ def generate_sample(model, tokenizer, prompt_ids: list[int], new_tokens: int) ->
     options = {"do_sample": False, "pad_token_id": tokenizer.pad_token_id, "attention_mask": torch.ones_like(prompt)}
     with torch.inference_mode():
         model.generate(prompt, max_new_tokens=2, min_new_tokens=2, **options)  # warm-up
-        streamer = TimingStreamer()
+        streamer = TokenClock()
         output = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, streamer=streamer,
                                 **options)  # fmt: skip
     continuation = output[0, len(prompt_ids) :].tolist()
-    stamps = streamer.stamps  # [prompt, token 1, ..., token n]
-    decode_seconds = stamps[-1] - stamps[1]
+    gaps = streamer.token_gaps()
     return {
         "prompt_tokens": len(prompt_ids),
         "new_tokens": len(continuation),
-        "prefill_seconds": stamps[1] - stamps[0],
-        "decode_tokens_per_second": (len(continuation) - 1) / decode_seconds if decode_seconds > 0 else None,
+        "prefill_seconds": streamer.stamps[1] - streamer.stamps[0],  # prompt handed out -> first new token
+        "decode_tokens_per_second": len(gaps) / sum(gaps) if sum(gaps) > 0 else None,
         "threads": torch.get_num_threads(),
         "prompt_ids": list(prompt_ids),
         "continuation_ids": continuation,

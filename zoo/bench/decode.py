@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers.generation.streamers import BaseStreamer
 
 from zoo.bench.measure import Runner, measure_idle
 from zoo.bench.plan import History, extrapolate
 from zoo.bench.report import errors_section, grid, machine_info, plot_against_n
+from zoo.lm import TokenClock
 from zoo.registry import get_variant_class, list_variants
 from zoo.reporting import MB, fixed, human_bytes, markdown_table, write_csv
 
@@ -132,24 +132,6 @@ def build_model(contestant: DecodeContestant, settings: DecodeSettings, n: int):
             zoo.configure(config, contestant.variant, **contestant.params)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
-
-
-class TokenClock(BaseStreamer):
-    """A streamer that records when each batch of tokens arrives (the first ``put`` is the prompt)."""
-
-    def __init__(self) -> None:
-        self.stamps: list[float] = []
-
-    def put(self, value) -> None:
-        self.stamps.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-    def token_gaps(self) -> list[float]:
-        """Seconds between consecutive generated tokens (prompt and first token, which carries the prefill, out)."""
-        generated = self.stamps[1:]
-        return [b - a for a, b in zip(generated, generated[1:], strict=False)]
 
 
 def tensor_bytes(obj: Any, seen: set[int] | None = None) -> int:
