@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from zoo.ops.dropout import Dropout, dropout_attention
+from zoo.ops.flash import flash_available
 from zoo.variant import AttentionCall
 
 
@@ -55,7 +57,10 @@ def blocked_attention(
 def rows_attention(
     q_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, call: AttentionCall
 ) -> torch.Tensor:
-    """Selected query rows (B, H, R, D) attending over all keys (global tokens): O(R · n)."""
+    """Selected query rows (B, H, R, D) attending over all keys (global tokens): O(R · n). Under attention
+    dropout on CPU, chunk by chunk (:func:`zoo.ops.dropout.dropout_attention`): no (R, n) probabilities kept."""
+    if call.training and call.dropout > 0 and flash_available(q_rows):
+        return dropout_attention(q_rows, k, v, allowed, call.scaling, Dropout.of(call))
     return F.scaled_dot_product_attention(
         q_rows,
         k,

@@ -12,9 +12,10 @@ import torch
 FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def flash_available(x: torch.Tensor, dropout: float) -> bool:
-    """Whether the CPU flash kernels apply: CPU tensors of a supported dtype and no dropout."""
-    return x.device.type == "cpu" and x.dtype in FLASH_DTYPES and dropout == 0.0
+def flash_available(x: torch.Tensor) -> bool:
+    """Whether the CPU chunked kernels apply: CPU tensors of a supported dtype (with dropout, they run
+    :mod:`zoo.ops.dropout`'s counterparts of the flash kernels)."""
+    return x.device.type == "cpu" and x.dtype in FLASH_DTYPES
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

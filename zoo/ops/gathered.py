@@ -6,8 +6,9 @@ gradients) in fresh allocations; on CPU that time goes to page faults and cache 
 arithmetic. The CPU path here works on chunks of entries whose gathered keys fit a small buffer: the forward
 gathers a chunk (into two buffers reused by every chunk), runs the flash kernel and keeps only the output and
 log-sum-exp; the backward gathers the chunk again (recompute, as FlashAttention does), runs the flash backward
-and scatter-adds the key and value gradients. Extra memory is O(chunk), not O(n · R · block). Elsewhere (CUDA,
-dropout, other dtypes): one gather and one SDPA call.
+and scatter-adds the key and value gradients. Extra memory is O(chunk), not O(n · R · block). Under attention
+dropout the chunks run :mod:`zoo.ops.dropout`'s kernels instead of the flash ones (masks redrawn from a seed in
+the backward, never stored). Elsewhere (CUDA, other dtypes): one gather and one SDPA call.
 
 ``allowed`` is a bool tensor broadcastable to (E, Q, R·block) given as (E|1, Q|1, R·block), or a function
 ``allowed(start, stop)`` returning that mask for entries [start, stop) (so a mask that is cheap to compute
@@ -21,7 +22,8 @@ from collections.abc import Callable
 import torch
 
 from zoo.ops.blocked import rows_attention
-from zoo.ops.flash import additive_mask, flash_available, flash_backward, flash_forward
+from zoo.ops.dropout import NO_DROPOUT, Dropout, attention_backward, attention_forward
+from zoo.ops.flash import additive_mask, flash_available
 from zoo.variant import AttentionCall
 
 # Gathered key elements per chunk (4 MB in fp32): the chunk's working set stays in cache, and the buffers the
@@ -44,9 +46,8 @@ def gathered_attention(
     q (E, Q, D); k_blocks (Nb, block, D) and v_blocks (Nb, block, Dv): all key blocks, flat; index (E, R) long:
     the key blocks of each entry. A query with no allowed key outputs zeros.
     """
-    dropout = call.dropout if call.training else 0.0
-    if flash_available(q, dropout):
-        return _ChunkedGatheredFlash.apply(q, k_blocks, v_blocks, index, allowed, call.scaling)
+    if flash_available(q):
+        return _ChunkedGatheredFlash.apply(q, k_blocks, v_blocks, index, allowed, call.scaling, Dropout.of(call))
     keys, values = gather_all(k_blocks, v_blocks, index)
     mask = mask_of(allowed, 0, index.shape[0])
     mask = None if mask is None else mask[:, None]
@@ -65,12 +66,13 @@ def mask_of(allowed: Allowed, start: int, stop: int) -> torch.Tensor | None:
     return allowed if allowed.shape[0] == 1 else allowed[start:stop]
 
 
-def gathered_forward(q, k_blocks, v_blocks, index, allowed: Allowed, scale: float, empty_lse: float = 0.0):
+def gathered_forward(q, k_blocks, v_blocks, index, allowed: Allowed, scale: float, empty_lse: float = 0.0,
+                     dropout: Dropout = NO_DROPOUT):
     """Chunked flash forward: (out (E, Q, Dv), lse (E, Q)); rows without any allowed key get ``empty_lse``."""
     outs, lses, buffers = [], [], {}
-    for start, stop in _chunks(q, index, k_blocks):
+    for number, (start, stop) in enumerate(_chunks(q, index, k_blocks)):
         keys, values, mask = _chunk(k_blocks, v_blocks, index, allowed, start, stop, q.dtype, buffers)
-        out, lse = flash_forward(q[start:stop, None], keys, values, mask, scale)
+        out, lse = attention_forward(q[start:stop, None], keys, values, mask, scale, dropout.child(number))
         lse = lse[:, 0]
         if mask is not None and empty_lse != 0.0:
             lse = lse.masked_fill((mask[:, 0] == float("-inf")).all(-1), empty_lse)
@@ -79,17 +81,18 @@ def gathered_forward(q, k_blocks, v_blocks, index, allowed: Allowed, scale: floa
     return torch.cat(outs), torch.cat(lses)
 
 
-def gathered_backward(grad_out, q, k_blocks, v_blocks, index, allowed: Allowed, out, lse, scale: float):
+def gathered_backward(grad_out, q, k_blocks, v_blocks, index, allowed: Allowed, out, lse, scale: float,
+                      dropout: Dropout = NO_DROPOUT):
     """Chunked flash backward given the (possibly merged) output and log-sum-exp: grads of (q, k_blocks, v_blocks)."""
     grad_out = grad_out.contiguous()
     grad_q = torch.empty_like(q)
     grad_k, grad_v = torch.zeros_like(k_blocks), torch.zeros_like(v_blocks)
     buffers = {}
-    for start, stop in _chunks(q, index, k_blocks):
+    for number, (start, stop) in enumerate(_chunks(q, index, k_blocks)):
         keys, values, mask = _chunk(k_blocks, v_blocks, index, allowed, start, stop, q.dtype, buffers)
         rows = slice(start, stop)
-        gq, gk, gv = flash_backward(grad_out[rows, None], q[rows, None], keys, values, out[rows, None],
-                                    lse[rows, None], mask, scale)
+        gq, gk, gv = attention_backward(grad_out[rows, None], q[rows, None], keys, values, out[rows, None],
+                                        lse[rows, None], mask, scale, dropout.child(number))
         grad_q[rows] = gq[:, 0]
         flat = index[rows].flatten()
         grad_k.index_add_(0, flat, gk.reshape(-1, *k_blocks.shape[1:]))
@@ -124,14 +127,15 @@ def _chunk(k_blocks, v_blocks, index, allowed: Allowed, start: int, stop: int, d
 
 class _ChunkedGatheredFlash(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k_blocks, v_blocks, index, allowed, scale):
-        out, lse = gathered_forward(q, k_blocks, v_blocks, index, allowed, scale)
-        ctx.scale, ctx.allowed = scale, allowed
+    def forward(ctx, q, k_blocks, v_blocks, index, allowed, scale, dropout):
+        out, lse = gathered_forward(q, k_blocks, v_blocks, index, allowed, scale, dropout=dropout)
+        ctx.scale, ctx.allowed, ctx.dropout = scale, allowed, dropout
         ctx.save_for_backward(q, k_blocks, v_blocks, index, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k_blocks, v_blocks, index, out, lse = ctx.saved_tensors
-        grads = gathered_backward(grad_out, q, k_blocks, v_blocks, index, ctx.allowed, out, lse, ctx.scale)
-        return (*grads, None, None, None)
+        grads = gathered_backward(grad_out, q, k_blocks, v_blocks, index, ctx.allowed, out, lse, ctx.scale,
+                                  ctx.dropout)
+        return (*grads, None, None, None, None)

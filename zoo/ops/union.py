@@ -8,11 +8,13 @@ and a bool ``allowed`` mask broadcastable to ``(B, 1, G, Q, K)`` (:class:`KeyPar
 gathered key blocks (:class:`GatheredPart`, e.g. the band of :func:`band_part`: computed in chunks by
 :mod:`zoo.ops.gathered`). Parts must not share a (query, key) pair.
 
-On CPU without dropout each part runs the flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``,
-what ``scaled_dot_product_attention`` uses for 4-D inputs) and the parts merge through their log-sum-exps,
-as ring attention does; the backward calls the flash backward of each part with the merged output and
-log-sum-exp, which gives the exact gradient of the joint softmax. Elsewhere (CUDA, dropout) the parts'
-scores are materialized per group, O(n · keys per query) memory, sharing one shift and one denominator.
+On CPU each part runs the flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``, what
+``scaled_dot_product_attention`` uses for 4-D inputs) and the parts merge through their log-sum-exps, as ring
+attention does; the backward calls the flash backward of each part with the merged output and log-sum-exp,
+which gives the exact gradient of the joint softmax. Under attention dropout each part runs
+:mod:`zoo.ops.dropout`'s chunked counterparts instead (the mask of part i drawn per chunk from the call's seed
+and i, redrawn in the backward), merged the same way. Elsewhere (CUDA, other dtypes) the parts' scores are
+materialized per group, O(n · keys per query) memory, sharing one shift and one denominator.
 A query with no allowed key in any part outputs zeros.
 """
 
@@ -24,7 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from zoo.ops.flash import additive_mask, flash_available, flash_backward, flash_forward
+from zoo.ops.dropout import Dropout, attention_backward, attention_forward
+from zoo.ops.flash import additive_mask, flash_available
 from zoo.ops.gathered import Allowed, gather_all, gathered_backward, gathered_forward, mask_of
 from zoo.variant import AttentionCall
 
@@ -101,13 +104,12 @@ def band_part(q, k, v, key_real: torch.Tensor, width: int, causal: bool, block: 
 
 def union_attention(parts: list[KeyPart | GatheredPart], call: AttentionCall) -> torch.Tensor:
     """(B, H, n, D): softmax attention of every query over the union of its parts' allowed keys."""
-    dropout = call.dropout if call.training else 0.0
-    if flash_available(parts[0].q, dropout):
+    if flash_available(parts[0].q):
         specs = tuple(_spec(part) for part in parts)
         tensors = [x for part in parts for x in _tensors(part)]
-        return _FlashUnion.apply(call.scaling, specs, *tensors)
+        return _FlashUnion.apply(call.scaling, specs, Dropout.of(call), *tensors)
     parts = [part.as_key_part() if isinstance(part, GatheredPart) else part for part in parts]
-    return _materialized_union(parts, call.scaling, dropout)
+    return _materialized_union(parts, call.scaling, call.dropout if call.training else 0.0)
 
 
 # -------------------------------------------------------------------------------------------------------
@@ -132,13 +134,13 @@ def from_tokens(x: torch.Tensor, transposed: bool, groups: int, per_group: int) 
 # CPU: flash kernel per part, merged by log-sum-exp
 
 
-def _per_batch(fn, mask: torch.Tensor, *tensors: torch.Tensor):
-    """Run a 4-D flash op on 5-D (B, H, G, Q|K, D) tensors: B and H merged when the mask has no batch dim,
-    else one call per batch row (the mask must broadcast over the first dim)."""
+def _per_batch(fn, mask: torch.Tensor, dropout: Dropout, *tensors: torch.Tensor):
+    """Run a 4-D flash op ``fn(*tensors, mask, dropout)`` on 5-D (B, H, G, Q|K, D) tensors: B and H merged when
+    the mask has no batch dim, else one call per batch row (the mask must broadcast over the first dim)."""
     if mask.shape[0] == 1:
-        results = fn(*(x.flatten(0, 1) for x in tensors), mask[0])
+        results = fn(*(x.flatten(0, 1) for x in tensors), mask[0], dropout)
         return [r.unflatten(0, tensors[0].shape[:2]) for r in results]
-    rows = [fn(*(x[b] for x in tensors), mask[b]) for b in range(tensors[0].shape[0])]
+    rows = [fn(*(x[b] for x in tensors), mask[b], dropout.child(b)) for b in range(tensors[0].shape[0])]
     return [torch.stack(column) for column in zip(*rows, strict=True)]
 
 
@@ -161,15 +163,16 @@ class _ViewSpec:
     per_group: int
     mask: torch.Tensor
 
-    def forward(self, q, k, v, scale):
-        out, lse = _per_batch(lambda *x: flash_forward(*x, scale), self.mask, q, k, v)
+    def forward(self, q, k, v, scale, dropout: Dropout):
+        out, lse = _per_batch(lambda *x: attention_forward(*x[:-1], scale, x[-1]), self.mask, dropout, q, k, v)
         empty = (self.mask == float("-inf")).all(-1)  # the kernel reports lse 0 for a fully masked row
         return to_tokens(out, self.transposed), to_tokens(lse.masked_fill(empty, float("-inf")), self.transposed)
 
-    def backward(self, grad, merged, total, q, k, v, scale):
+    def backward(self, grad, merged, total, q, k, v, scale, dropout: Dropout):
         grad, merged, total = (from_tokens(x, self.transposed, self.groups, self.per_group)
                                for x in (grad, merged, total))
-        return _per_batch(lambda *x: flash_backward(*x, scale), self.mask, grad, q, k, v, merged, total)
+        return _per_batch(lambda *x: attention_backward(*x[:-1], scale, x[-1]), self.mask, dropout,
+                          grad, q, k, v, merged, total)
 
 
 @dataclass
@@ -180,25 +183,26 @@ class _GatheredSpec:
     allowed: Allowed
     batch_heads: tuple[int, int]
 
-    def forward(self, q, k_blocks, v_blocks, scale):
-        out, lse = gathered_forward(q, k_blocks, v_blocks, self.index, self.allowed, scale, float("-inf"))
+    def forward(self, q, k_blocks, v_blocks, scale, dropout: Dropout):
+        out, lse = gathered_forward(q, k_blocks, v_blocks, self.index, self.allowed, scale, float("-inf"), dropout)
         return out.view(*self.batch_heads, -1, out.shape[-1]), lse.view(*self.batch_heads, -1)
 
-    def backward(self, grad, merged, total, q, k_blocks, v_blocks, scale):
+    def backward(self, grad, merged, total, q, k_blocks, v_blocks, scale, dropout: Dropout):
         grad, merged = (x.reshape(*q.shape[:2], x.shape[-1]) for x in (grad, merged))
         total = total.reshape(q.shape[:2])
-        return gathered_backward(grad, q, k_blocks, v_blocks, self.index, self.allowed, merged, total, scale)
+        return gathered_backward(grad, q, k_blocks, v_blocks, self.index, self.allowed, merged, total, scale,
+                                 dropout)
 
 
 class _FlashUnion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, scale, specs, *tensors):
-        outs, lses = zip(*(spec.forward(*tensors[3 * i : 3 * i + 3], scale) for i, spec in enumerate(specs)),
-                         strict=True)
+    def forward(ctx, scale, specs, dropout, *tensors):
+        outs, lses = zip(*(spec.forward(*tensors[3 * i : 3 * i + 3], scale, dropout.child(i))
+                           for i, spec in enumerate(specs)), strict=True)
         total = torch.logsumexp(torch.stack(lses), 0)
         total = total.masked_fill(torch.isinf(total), 0.0)  # no key at all: zeros out, zero gradients
         merged = sum(out * torch.exp(lse - total)[..., None].to(out.dtype) for out, lse in zip(outs, lses, strict=True))
-        ctx.scale, ctx.specs = scale, specs
+        ctx.scale, ctx.specs, ctx.dropout = scale, specs, dropout
         ctx.save_for_backward(merged, total, *tensors)
         return merged
 
@@ -207,8 +211,9 @@ class _FlashUnion(torch.autograd.Function):
         merged, total, *tensors = ctx.saved_tensors
         grads = []
         for i, spec in enumerate(ctx.specs):
-            grads += spec.backward(grad_merged, merged, total, *tensors[3 * i : 3 * i + 3], ctx.scale)
-        return (None, None, *grads)
+            grads += spec.backward(grad_merged, merged, total, *tensors[3 * i : 3 * i + 3], ctx.scale,
+                                   ctx.dropout.child(i))
+        return (None, None, None, *grads)
 
 
 # -------------------------------------------------------------------------------------------------------
