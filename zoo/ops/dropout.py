@@ -23,6 +23,7 @@ undropped output.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -80,6 +81,8 @@ class Dropout:
     def keep_mask(self, shape: tuple[int, ...]) -> torch.Tensor:
         """Bool keep decisions of this stream, ``shape`` in row-major order: P(True) = 1 − p_rounded."""
         count = math.prod(shape)
+        if self.drop_units >= 2**KEEP_BITS:
+            return torch.zeros(shape, dtype=torch.bool)
         words = torch.empty(-(-count // 4), dtype=torch.int64)
         words.random_(-(2**63), 2**63 - 1, generator=self.generator())
         return words.view(torch.int16)[:count].view(shape) >= self.drop_units - 2 ** (KEEP_BITS - 1)
@@ -248,3 +251,20 @@ class _DropoutAttention(torch.autograd.Function):
         q, k, v, mask, out, lse = ctx.saved_tensors
         grads = dropout_backward(grad_out.contiguous(), q, k, v, out, lse, mask, ctx.scale, ctx.dropout)
         return (*grads, None, None, None)
+
+
+# -------------------------------------------------------------------------------------------------------
+# debugging: the dense mask of a call
+
+
+def dropped_probabilities(attend: Callable[[torch.Tensor], torch.Tensor], batch: int, heads: int, kv_len: int):
+    """For small n: the dense (batch, heads, q_len, kv_len) probabilities after dropout, ``keep_ij · P_ij / (1 − p)``,
+    that ``attend(values)`` uses when called from the current RNG state (which is left as it was).
+
+    Values are the identity, so output row i is query i's dropped probability row. Masks depend on the call's
+    seed and the shapes of q and k only, so the same call with real values uses the same mask: tests build the
+    dense reference (softmax restricted to the pattern, times keep / (1 − p), times V) from ``result != 0``.
+    """
+    identity = torch.eye(kv_len).expand(batch, heads, kv_len, kv_len)
+    with torch.random.fork_rng(devices=[]):
+        return attend(identity)
