@@ -74,17 +74,17 @@ class Dropout:
     def keep_mask(self, shape: tuple[int, ...]) -> torch.Tensor:
         """fp32 keep decisions (1 kept, 0 dropped) of this stream, ``shape`` in row-major order, P(1) = 1 − p_rounded.
 
-        The bits come from numpy's SFC64 seeded by ``SeedSequence(seed, spawn_key=path)`` (independent streams per
-        chunk by construction): about 6x cheaper per bit than ``torch.Generator``'s mt19937 here, whose draws
-        would cost more than the attention arithmetic. 16 bits per decision, compared without bool tensors (slow
-        on CPU): clamp to [t − 1, t], minus (t − 1).
+        The bits come from numpy's PCG64 seeded by ``SeedSequence(seed, spawn_key=path)`` (independent streams per
+        chunk by construction): about 4x cheaper per bit than ``torch.Generator``'s mt19937 here (measured),
+        whose draws would cost more than the attention arithmetic. 16 bits per decision, compared without bool
+        tensors (slow on CPU): clamp to [t − 1, t], minus (t − 1).
         """
         count = math.prod(shape)
         if self.drop_units == 0:
             return torch.ones(shape)
         if self.drop_units >= 2**KEEP_BITS:
             return torch.zeros(shape)
-        bits = np.random.SFC64(np.random.SeedSequence(self.seed, spawn_key=self.path)).random_raw(-(-count // 4))
+        bits = np.random.PCG64(np.random.SeedSequence(self.seed, spawn_key=self.path)).random_raw(-(-count // 4))
         values = torch.from_numpy(bits.view(np.int16)[:count]).view(shape)  # uniform in [-2^15, 2^15)
         threshold = self.drop_units - 2 ** (KEEP_BITS - 1)  # keep when value >= threshold
         return values.clamp_(threshold - 1, threshold).sub_(threshold - 1).to(torch.float32)
@@ -120,11 +120,9 @@ def dropout_forward(q, k, v, mask: torch.Tensor | None, scale: float, dropout: D
     out = q.new_empty(*q.shape[:-1], v.shape[-1])
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     for number, (a, groups, rows) in enumerate(_chunks(q.shape, k.shape[-2])):
-        keep = dropout.child(number).keep_mask((_length(groups, q.shape[1]), _length(rows, q.shape[2]), k.shape[-2]))
-        out[a, groups, rows], lse[a, groups, rows] = _chunk_forward(
-            q[a, groups, rows], k[a, groups], v[a, groups], _mask_at(mask, a, groups, rows), scale, keep,
-            dropout.keep_scale,
-        )
+        keep = dropout.child(number).keep_mask((groups.stop - groups.start, rows.stop - rows.start, k.shape[-2]))
+        _chunk_forward(q[a, groups, rows], k[a, groups], v[a, groups], _mask_at(mask, a, groups, rows), scale, keep,
+                       dropout.keep_scale, out[a, groups, rows], lse[a, groups, rows])
     return (out.transpose(0, 1), lse.transpose(0, 1)) if swap else (out, lse)
 
 
@@ -134,16 +132,14 @@ def dropout_backward(grad, q, k, v, out, lse, mask: torch.Tensor | None, scale: 
     if swap:
         q, k, v, mask = _swap(q, k, v, mask)
         grad, out, lse = (x.transpose(0, 1) for x in (grad, out, lse))
-    grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    grad_q, grad_k, grad_v = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     for number, (a, groups, rows) in enumerate(_chunks(q.shape, k.shape[-2])):
-        keep = dropout.child(number).keep_mask((_length(groups, q.shape[1]), _length(rows, q.shape[2]), k.shape[-2]))
-        gq, gk, gv = _chunk_backward(
+        keep = dropout.child(number).keep_mask((groups.stop - groups.start, rows.stop - rows.start, k.shape[-2]))
+        _chunk_backward(
             grad[a, groups, rows], q[a, groups, rows], k[a, groups], v[a, groups], out[a, groups, rows],
             lse[a, groups, rows], _mask_at(mask, a, groups, rows), scale, keep, dropout.keep_scale,
+            (grad_q[a, groups, rows], grad_k[a, groups], grad_v[a, groups]), accumulate=rows.start > 0,
         )
-        grad_q[a, groups, rows] = gq
-        grad_k[a, groups] += gk
-        grad_v[a, groups] += gv
     return tuple(x.transpose(0, 1) for x in (grad_q, grad_k, grad_v)) if swap else (grad_q, grad_k, grad_v)
 
 
@@ -166,16 +162,12 @@ def _chunks(shape: tuple[int, ...], keys: int):
         if per_group <= CHUNK_ELEMENTS:
             step = CHUNK_ELEMENTS // per_group
             for start in range(0, groups, step):
-                yield a, slice(start, min(start + step, groups)), slice(None)
+                yield a, slice(start, min(start + step, groups)), slice(0, rows)
         else:
             step = max(1, CHUNK_ELEMENTS // keys)
             for group in range(groups):
                 for start in range(0, rows, step):
                     yield a, slice(group, group + 1), slice(start, min(start + step, rows))
-
-
-def _length(s: slice, size: int) -> int:
-    return len(range(*s.indices(size)))
 
 
 def _mask_at(mask: torch.Tensor | None, a: int, groups: slice, rows: slice) -> torch.Tensor | None:
@@ -191,38 +183,43 @@ def _mask_at(mask: torch.Tensor | None, a: int, groups: slice, rows: slice) -> t
 def _log2_scores(q, k, mask, scale):
     """Scores of one chunk in base 2, (g, r, K) fp32: exp2 is several times cheaper than exp on CPU here, and
     the scale (times log2 e) goes on the queries, not on the scores. Masks are additive 0 / −inf."""
-    q = q.float() * (scale * LOG2E)
-    keys = k.float().transpose(-1, -2)
-    if mask is None:
-        return torch.matmul(q, keys)
-    return torch.baddbmm(mask.to(torch.float32), q, keys)
+    scores = torch.matmul(q.float() * (scale * LOG2E), k.float().transpose(-1, -2))
+    return scores if mask is None else scores.add_(mask)  # (baddbmm with a broadcast mask measured slower)
 
 
-def _chunk_forward(q, k, v, mask, scale: float, keep: torch.Tensor, keep_scale: float):
+def _chunk_forward(q, k, v, mask, scale: float, keep: torch.Tensor, keep_scale: float, out, lse) -> None:
+    """One chunk's dropped attention into ``out`` (g, r, Dv) and its log-sum-exp into ``lse`` (g, r)."""
     scores = _log2_scores(q, k, mask, scale)
     row_max = scores.amax(-1, keepdim=True)
     row_max.masked_fill_(torch.isinf(row_max), 0.0)  # a fully masked row: exp2(-inf) = 0 everywhere
     weights = scores.sub_(row_max).exp2_()
     total = weights.sum(-1, keepdim=True)
-    inverse = total.reciprocal().masked_fill_(total == 0, 0.0).mul_(keep_scale)
-    out = torch.matmul(weights.mul_(keep), v.float()).mul_(inverse)
-    empty = (total == 0).squeeze(-1)
-    lse = row_max.add_(total.log2_()).mul_(LN2).squeeze(-1)
-    return out.to(v.dtype), lse.masked_fill_(empty, 0.0)
+    empty = total == 0
+    inverse = total.reciprocal().masked_fill_(empty, 0.0).mul_(keep_scale)
+    out.copy_(torch.matmul(weights.mul_(keep), v.float()).mul_(inverse))
+    lse.copy_(row_max.add_(total.log2_()).mul_(LN2).masked_fill_(empty, 0.0).squeeze(-1))
 
 
-def _chunk_backward(grad, q, k, v, out, lse, mask, scale: float, keep: torch.Tensor, keep_scale: float):
-    """dS = P ∘ (keep ∘ dP / (1 − p) − Δ) = kept ∘ dP' − P ∘ Δ with kept = P ∘ keep, dP' = dO Vᵀ / (1 − p),
-    Δ = dO · O; dV = keptᵀ dO / (1 − p)."""
+def _chunk_backward(grad, q, k, v, out, lse, mask, scale: float, keep: torch.Tensor, keep_scale: float, grads,
+                    accumulate: bool) -> None:
+    """One chunk's gradients written into (or, ``accumulate``, added to) ``grads`` = (dq, dk, dv) slices.
+
+    dS = P ∘ (keep ∘ dP / (1 − p) − Δ) = kept ∘ dP' − P ∘ Δ with kept = P ∘ keep, dP' = dO Vᵀ / (1 − p),
+    Δ = dO · O; dV = keptᵀ dO / (1 − p).
+    """
     probs = _log2_scores(q, k, mask, scale).sub_((lse * LOG2E)[..., None]).exp2_()
     delta = (grad.float() * out.float()).sum(-1, keepdim=True)
     grad = grad.float() * keep_scale
     kept = probs * keep
-    grad_v = torch.matmul(kept.transpose(-1, -2), grad)
     grad_scores = torch.matmul(grad, v.float().transpose(-1, -2)).mul_(kept).sub_(probs.mul_(delta))
-    grad_q = torch.matmul(grad_scores, k.float()).mul_(scale)
-    grad_k = torch.matmul(grad_scores.transpose(-1, -2), q.float()).mul_(scale)
-    return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
+    q_grad, k_grad, v_grad = grads
+    q_grad.copy_(torch.matmul(grad_scores, k.float()).mul_(scale))
+    for target, left, right in ((k_grad, grad_scores, q.float() * scale), (v_grad, kept, grad)):
+        if accumulate or target.dtype != torch.float32 or not target.is_contiguous():
+            target.add_(torch.matmul(left.transpose(-1, -2), right)) if accumulate else target.copy_(
+                torch.matmul(left.transpose(-1, -2), right))
+        else:
+            torch.matmul(left.transpose(-1, -2), right, out=target)
 
 
 # -------------------------------------------------------------------------------------------------------
