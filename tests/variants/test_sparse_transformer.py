@@ -1,6 +1,6 @@
 """What is specific to ``sparse_transformer`` (the contract suite covers the rest): the two patterns as the paper
 defines them, the kernel against the dense reference for both patterns on both code paths (CPU flash kernels,
-and the materialized path used under dropout and off CPU), lengths that are multiples of nothing, short inputs,
+and the materialized path used off CPU and for float64), lengths that are multiples of nothing, short inputs,
 padding with holes, KV-cache steps, no n x n intermediate, and the fixed pattern inside Llama with a reload."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Shared attention kernels and helpers for variants: GQA expansion, masks, softmax attention, blocked attention
 (``zoo.ops.blocked``), chunked gathered-block attention (``zoo.ops.gathered``), unions of key sets merged into
-one softmax (``zoo.ops.union``), the CPU flash wrappers (``zoo.ops.flash``) and chunked prefix sums
+one softmax (``zoo.ops.union``), the CPU flash wrappers (``zoo.ops.flash``) and their counterparts with attention
+dropout (``zoo.ops.dropout``: per-chunk masks redrawn in the backward, never stored), chunked prefix sums
 (``zoo.ops.prefix``), and few queries over their selected keys for decoding (``zoo.ops.selected``)."""
 
 from zoo.ops.blocked import (
