@@ -194,6 +194,16 @@ class _GatheredSpec:
                                  dropout)
 
 
+def _merge(outs, lses, total) -> torch.Tensor:
+    """Σ_parts out · exp(lse − total), accumulated in place into the first part's output: the parts' outputs are
+    fresh tensors of the kernels, and a full-size temporary per part (plus ``sum``'s copy) cost ~10x more (16K)."""
+    weight = [torch.exp(lse - total)[..., None] for lse in lses]
+    merged = outs[0].mul_(weight[0].to(outs[0].dtype))
+    for out, w in zip(outs[1:], weight[1:], strict=True):
+        merged.addcmul_(out, w.to(out.dtype))
+    return merged
+
+
 class _FlashUnion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scale, specs, dropout, *tensors):
@@ -201,7 +211,7 @@ class _FlashUnion(torch.autograd.Function):
                            for i, spec in enumerate(specs)), strict=True)
         total = torch.logsumexp(torch.stack(lses), 0)
         total = total.masked_fill(torch.isinf(total), 0.0)  # no key at all: zeros out, zero gradients
-        merged = sum(out * torch.exp(lse - total)[..., None].to(out.dtype) for out, lse in zip(outs, lses, strict=True))
+        merged = _merge(outs, lses, total)
         ctx.scale, ctx.specs, ctx.dropout = scale, specs, dropout
         ctx.save_for_backward(merged, total, *tensors)
         return merged
