@@ -94,20 +94,25 @@ def _float32_default():
         torch.set_default_dtype(previous)
 
 
-def build(variant: Variant, module: nn.Module, layer_idx: int, device: torch.device | str = "cpu") -> nn.Module | None:
-    """The variant's weights for one attention module, deterministically initialised (float32); None if it has none.
+def build(
+    variant: Variant, layer_idx: int, config, head_dim: int, num_heads: int, device: torch.device | str = "cpu"
+) -> nn.Module | None:
+    """The variant's weights for one layer, deterministically initialised (float32); None if it has none.
 
-    On the meta device nothing is drawn (from_pretrained builds there, then loads or calls
-    :func:`initialize_missing`).
+    Tests of a kernel outside a model pass the result as ``AttentionCall(weights=...)``. On the meta device
+    nothing is drawn (from_pretrained builds there, then loads or calls :func:`initialize_missing`).
     """
-    head_dim, num_heads = head_shape(module)
-    device = torch.device(device)
-    if device.type == "meta":
+    if torch.device(device).type == "meta":
         with torch.device("meta"):
-            return variant.make_module(layer_idx, module.config, head_dim, num_heads)
+            return variant.make_module(layer_idx, config, head_dim, num_heads)
     with torch.random.fork_rng(devices=[]), torch.device("cpu"), _float32_default():
         torch.manual_seed(seed_for(variant, layer_idx))
-        return variant.make_module(layer_idx, module.config, head_dim, num_heads)
+        return variant.make_module(layer_idx, config, head_dim, num_heads)
+
+
+def build_for(variant: Variant, module: nn.Module, layer_idx: int, device: torch.device | str = "cpu"):
+    """:func:`build` for one attention module of a model (its config and head shape)."""
+    return build(variant, layer_idx, module.config, *head_shape(module), device=device)
 
 
 def _reference_tensor(module: nn.Module) -> torch.Tensor | None:
@@ -131,7 +136,7 @@ def attach(model: nn.Module, variant_of, replace: bool = False) -> int:
             continue
         reference = _reference_tensor(module)
         device = reference.device if reference is not None else torch.device("cpu")
-        weights = build(variant, module, idx, device)
+        weights = build_for(variant, module, idx, device)
         if weights is None:
             continue
         if reference is not None:
@@ -168,7 +173,7 @@ def initialize_missing(model: nn.Module, variant_of) -> list[str]:
     """After a checkpoint was loaded: give the zoo weights it lacked their deterministic values; log them once.
 
     transformers marks what it loaded with ``_is_hf_initialized``; every other parameter or buffer of a zoo
-    weights module is rebuilt with :func:`build` and copied in. Returns the missing state-dict keys.
+    weights module is rebuilt with :func:`build_for` and copied in. Returns the missing state-dict keys.
     """
     if not any(WEIGHTS_NAME in m._modules for m in model.modules()):
         return []
@@ -182,7 +187,7 @@ def initialize_missing(model: nn.Module, variant_of) -> list[str]:
         todo = [key for key, t in tensors.items() if not getattr(t, "_is_hf_initialized", False)]
         if not todo:
             continue
-        fresh = build(variant, module, idx).state_dict()
+        fresh = build_for(variant, module, idx).state_dict()
         with torch.no_grad():
             for key in todo:
                 tensors[key].copy_(fresh[key])
