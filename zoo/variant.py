@@ -259,7 +259,9 @@ class Variant:
         its constructor (PyTorch's default init, or your own): the zoo seeds the random generator per layer, so the
         values are deterministic -- a checkpoint without them gets the same ones. ``config`` is the model's
         transformers config (e.g. ``config.max_position_embeddings``, ``config.hidden_size``). A module that sets
-        ``needs_hidden_states = True`` finds the attention module's input in ``.hidden_states`` during the call.
+        ``needs_hidden_states = True`` finds the attention module's input in ``.hidden_states`` during the call;
+        one with an ``initialize_from(attention_module)`` method may then derive its values from the layer's own
+        weights (called once the layer's weights are final, also for a checkpoint that lacks the variant's).
         """
         return None
 

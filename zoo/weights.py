@@ -141,6 +141,8 @@ def attach(model: nn.Module, variant_of, replace: bool = False) -> int:
             continue
         if reference is not None:
             weights = weights.to(device=device, dtype=reference.dtype if reference.is_floating_point() else None)
+        if device.type != "meta":
+            _initialize_from(weights, module)
         for part in weights.modules():  # transformers' own init must not redraw them (see initialize_missing)
             part._is_hf_initialized = True
         module.add_module(WEIGHTS_NAME, weights)
@@ -153,6 +155,15 @@ def attach(model: nn.Module, variant_of, replace: bool = False) -> int:
         ignored = getattr(model, "_keys_to_ignore_on_load_missing", None)
         model._keys_to_ignore_on_load_missing = {*(ignored or ()), MISSING_KEYS_PATTERN}
     return made
+
+
+def _initialize_from(weights: nn.Module, module: nn.Module) -> None:
+    """Weights that define ``initialize_from(attention_module)`` derive their initial values from the layer's own
+    (e.g. Longformer's global projections start as copies of the local q/k/v, as in the paper's conversion)."""
+    initialize_from = getattr(weights, "initialize_from", None)
+    if initialize_from is not None:
+        with torch.no_grad():
+            initialize_from(module)
 
 
 def _keep_hidden_states(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -187,7 +198,9 @@ def initialize_missing(model: nn.Module, variant_of) -> list[str]:
         todo = [key for key, t in tensors.items() if not getattr(t, "_is_hf_initialized", False)]
         if not todo:
             continue
-        fresh = build_for(variant, module, idx).state_dict()
+        fresh = build_for(variant, module, idx)
+        _initialize_from(fresh, module)
+        fresh = fresh.state_dict()
         with torch.no_grad():
             for key in todo:
                 tensors[key].copy_(fresh[key])
