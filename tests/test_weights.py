@@ -10,6 +10,9 @@ import transformers
 from torch import nn
 
 import zoo
+from zoo import contract
+from zoo.ops import softmax_attention
+from zoo.testing import make_call, make_weights
 from zoo.weights import WEIGHTS_NAME, attention_modules, seed_for
 
 SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
@@ -27,16 +30,23 @@ class ValueMixer(nn.Module):
 
 class MixedValuesAttention(zoo.Variant):
     name = "test_mixed_values"
+    supports_causal = False
     params = {"mix": zoo.Param(True, bool, "mix the values")}
 
     def make_module(self, layer_idx, config, head_dim, num_heads):
         return ValueMixer(head_dim, num_heads) if self.mix else None
 
-    def attend(self, q, k, v, call):
+    def mixed(self, v, call):
         weights = self.layer_weights(call)
-        v = weights.mix(v) * weights.gain[:, None, None]
+        return (weights.mix(v) * weights.gain[:, None, None]).to(v.dtype)
+
+    def attend(self, q, k, v, call):
         mask = None if call.padding_mask is None else call.padding_mask[:, None, None, :]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=call.causal, scale=call.scaling)
+        return F.scaled_dot_product_attention(q, k, self.mixed(v, call), attn_mask=mask, scale=call.scaling)
+
+    def reference(self, q, k, v, call):
+        allowed = None if call.padding_mask is None else call.padding_mask[:, None, None, :]
+        return softmax_attention(q, k, self.mixed(v, call), allowed, call.scaling)
 
 
 class HiddenStatesProbe(nn.Module):
@@ -110,9 +120,10 @@ def test_initialisation_is_deterministic_per_layer_and_leaves_the_global_generat
 
 
 def test_task_heads_and_decoders_get_weights_too():
-    config = zoo.configure(transformers.LlamaConfig(**SMALL, num_key_value_heads=2), "test_mixed_values")
+    config = zoo.configure(transformers.LlamaConfig(**SMALL, num_key_value_heads=2), "test_hidden_states")
     model = transformers.LlamaForCausalLM(config)
-    assert len(_zoo_keys(model)) == 8
+    assert _zoo_keys(model) == [f"model.layers.{i}.self_attn.attention_zoo.proj.{p}" for i in (0, 1)
+                                for p in ("bias", "weight")]
     config = zoo.configure(transformers.BertConfig(**SMALL), "test_mixed_values")
     model = transformers.AutoModelForSequenceClassification.from_config(config)
     assert len(_zoo_keys(model)) == 8 and _zoo_keys(model)[0].startswith("bert.encoder.layer.0.")
@@ -204,3 +215,33 @@ def test_weights_that_ask_for_hidden_states_see_the_attention_input():
     for layer in model.transformer.layer:
         probe = layer.attention.attention_zoo
         assert probe.seen == [torch.Size([2, 20, 32])] and probe.hidden_states is None
+
+
+def test_the_contract_suite_hands_kernels_their_weights_and_checks_them():
+    weights = make_call(False, variant=zoo.get_variant_class("test_mixed_values")()).weights
+    assert isinstance(weights, ValueMixer)
+    torch.testing.assert_close(weights.mix.weight, make_weights(MixedValuesAttention()).mix.weight, atol=0, rtol=0)
+    assert make_call(False, variant=zoo.get_variant_class("sdpa")()).weights is None
+    for test in (
+        contract.test_shape_and_dtype,
+        contract.test_matches_reference_restricted_to_its_pattern,
+        contract.test_gradients_are_finite_and_match_the_reference,
+        contract.test_bf16_runs_without_nan,
+        contract.test_learned_weights_get_gradients_and_reload_identically,
+    ):
+        test("test_mixed_values")
+
+
+def test_the_weights_check_fails_for_weights_the_kernel_ignores():
+    class IgnoredWeights(MixedValuesAttention):
+        name = "test_ignored_weights"
+
+        def mixed(self, v, call):
+            return v
+
+    zoo.register_variant(IgnoredWeights)
+    try:
+        with pytest.raises(AssertionError, match="gets no .* gradient"):
+            contract.test_learned_weights_get_gradients_and_reload_identically("test_ignored_weights")
+    finally:
+        zoo.unregister_variant("test_ignored_weights")
