@@ -131,6 +131,20 @@ def test_default_global_tokens_of_the_task_heads(tmp_path):
     )
 
 
+def test_a_longformer_without_pooler_in_bf16(tmp_path):
+    torch.manual_seed(0)
+    source = transformers.LongformerModel(
+        transformers.LongformerConfig(**TINY, attention_window=8), add_pooling_layer=False
+    ).to(torch.bfloat16).eval()
+    ours = from_longformer(source)
+    assert ours.pooler is None and next(ours.parameters()).dtype == torch.bfloat16
+    ids, mask, global_mask = batch(45)
+    inputs = dict(input_ids=ids, attention_mask=mask, global_attention_mask=global_mask)
+    real = mask.bool()
+    want, got = source(**inputs).last_hidden_state[real].float(), ours(**inputs).last_hidden_state[real].float()
+    assert (got - want).norm() / want.norm() < 2e-2  # bf16 rounding of two different kernels
+
+
 def test_not_a_longformer_is_refused_clearly(tmp_path):
     transformers.RobertaModel(transformers.RobertaConfig(**TINY)).save_pretrained(tmp_path)
     with pytest.raises(NotALongformerError, match="'roberta' checkpoint, not a Longformer.*zoo.configure"):

@@ -40,6 +40,7 @@ ROBERTA_CLASS = {
 DEFAULT_GLOBAL_TOKENS = {"LongformerForSequenceClassification": [0]}
 LONGFORMER_ONLY_KEYS = ("attention_window", "onnx_export", "model_type", "architectures", "transformers_version")
 GLOBAL_PROJECTIONS = ("query_global", "key_global", "value_global")
+HUB_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "subfolder", "force_download", "proxies")
 
 
 class NotALongformerError(TypeError):
@@ -59,7 +60,11 @@ def from_longformer(path_or_model: str | PreTrainedModel, **from_pretrained_kwar
     source = _load_longformer(path_or_model, **from_pretrained_kwargs)
     kind = type(source).__name__
     config = roberta_config(source.config, DEFAULT_GLOBAL_TOKENS.get(kind, []))
-    target = getattr(transformers, ROBERTA_CLASS[kind])(config)
+    target_cls = getattr(transformers, ROBERTA_CLASS[kind])
+    if kind == "LongformerModel":
+        target = target_cls(config, add_pooling_layer=source.pooler is not None)
+    else:
+        target = target_cls(config)
     state = {roberta_key(key): value for key, value in source.state_dict().items()}
     target.load_state_dict(state, strict=True)
     reference = next(source.parameters())
@@ -70,7 +75,8 @@ def _load_longformer(path_or_model: str | PreTrainedModel, **kwargs: Any) -> Pre
     if isinstance(path_or_model, PreTrainedModel):
         model = path_or_model
     else:
-        config = transformers.AutoConfig.from_pretrained(path_or_model, **kwargs)
+        where = {k: v for k, v in kwargs.items() if k in HUB_KWARGS}
+        config = transformers.AutoConfig.from_pretrained(path_or_model, **where)
         if config.model_type != "longformer":
             raise NotALongformerError(
                 f"zoo.from_longformer: {path_or_model!r} is a {config.model_type!r} checkpoint, not a Longformer. "
