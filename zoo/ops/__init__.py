@@ -1,7 +1,8 @@
 """Shared attention kernels and helpers for variants: GQA expansion, masks, softmax attention, blocked attention
 (``zoo.ops.blocked``), chunked gathered-block attention (``zoo.ops.gathered``), unions of key sets merged into
-one softmax (``zoo.ops.union``), the CPU flash wrappers (``zoo.ops.flash``) and chunked prefix sums
-(``zoo.ops.prefix``), and few queries over their selected keys for decoding (``zoo.ops.selected``)."""
+one softmax (``zoo.ops.union``), the CPU flash wrappers (``zoo.ops.flash``), chunked prefix sums
+(``zoo.ops.prefix``), few queries over their selected keys for decoding (``zoo.ops.selected``) and
+process-independent seeds (``zoo.ops.seeds``)."""
 
 from zoo.ops.blocked import (
     blocked_attention,
@@ -19,6 +20,7 @@ from zoo.ops.dense import (
 )
 from zoo.ops.gathered import gathered_attention
 from zoo.ops.prefix import default_chunk_size, linear_attention, linear_attention_flops, linear_attention_reference
+from zoo.ops.seeds import stream_seed
 from zoo.ops.selected import selected_attention
 from zoo.ops.union import GatheredPart, KeyPart, band_part, union_attention
 
@@ -42,5 +44,6 @@ __all__ = [
     "selected_attention",
     "softmax_attention",
     "split_blocks",
+    "stream_seed",
     "union_attention",
 ]
