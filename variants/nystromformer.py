@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.ops import allowed_mask, safe_softmax, softmax_attention
+from zoo.ops import allowed_mask, softmax_attention
 from zoo.variant import AttentionCall, Param, Variant, VariantParameterError
 
 
@@ -119,43 +119,45 @@ def key_padding(padding_mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def nystrom_attention(q, k, v, call: AttentionCall, num_landmarks: int, iterations: int) -> torch.Tensor:
-    """The Nyström product for n > m; q/k/v (B, H, n, D) in the compute dtype."""
+    """The Nyström product for n > m; q/k/v (B, H, n, D) in the compute dtype.
+
+    The scaling (√scaling on q and on k in transformers) is applied to the small landmark tensors only, which is
+    the same product: s·q·k̃ᵀ = q·(s·k̃)ᵀ.
+    """
     batch, heads, n, _ = q.shape
-    root = call.scaling**0.5
-    q, k = q * root, k * root
     real = call.padding_mask
     if real is None:
         real = torch.ones(batch, n, dtype=torch.bool, device=q.device)
-    q_landmarks, k_landmarks, has_landmark = segment_means(q, k, real, num_landmarks)
+    averaging, has_landmark = segment_averaging(real, num_landmarks, q.dtype)
+    q_landmarks, k_landmarks = torch.matmul(averaging, q), torch.matmul(averaging, k)  # (B, H, m, D)
     no_landmark = ~has_landmark[:, None, None, :]  # (B, 1, 1, m)
-    # safe_softmax: a row without any allowed key (a batch row that is all padding) gives zeros, not NaN.
-    kernel_1 = safe_softmax(torch.matmul(q, k_landmarks.transpose(-1, -2)).masked_fill(no_landmark, float("-inf")))
-    scores_2 = torch.matmul(q_landmarks, k_landmarks.transpose(-1, -2)).masked_fill(no_landmark, float("-inf"))
+    # Masked scores get the lowest finite value, not −inf: a row with nothing allowed (a batch row of padding only)
+    # then stays finite (uniform, and zeroed as padding), and the fused softmax needs no NaN guard.
+    lowest = torch.finfo(q.dtype).min
+    kernel_1 = torch.softmax(torch.matmul(q, (call.scaling * k_landmarks).transpose(-1, -2)).masked_fill(
+        no_landmark, lowest), -1)
+    scaled_q_landmarks = call.scaling * q_landmarks
+    scores_2 = torch.matmul(scaled_q_landmarks, k_landmarks.transpose(-1, -2)).masked_fill(no_landmark, lowest)
     identity = torch.eye(num_landmarks, dtype=q.dtype, device=q.device)
     # A segment without a landmark gets an identity row: the inverse then acts on the real landmarks alone.
-    kernel_2 = torch.where(no_landmark.transpose(-1, -2), identity, safe_softmax(scores_2))
-    scores_3 = torch.matmul(q_landmarks, k.transpose(-1, -2)).masked_fill(~real[:, None, None, :], float("-inf"))
-    kernel_3 = safe_softmax(scores_3)
-    landmark_values = torch.matmul(kernel_3, v)  # (B, H, m, D)
+    kernel_2 = torch.where(no_landmark.transpose(-1, -2), identity, torch.softmax(scores_2, -1))
+    scores_3 = torch.matmul(scaled_q_landmarks, k.transpose(-1, -2)).masked_fill(~real[:, None, None, :], lowest)
+    landmark_values = torch.matmul(torch.softmax(scores_3, -1), v)  # (B, H, m, D)
     return torch.matmul(kernel_1, torch.matmul(iterative_pinv(kernel_2, iterations), landmark_values))
 
 
-def segment_means(q: torch.Tensor, k: torch.Tensor, real: torch.Tensor, num_landmarks: int):
-    """Landmarks: means of the real tokens of m segments -> (q̃, k̃ (B, H, m, D), has a real token (B, m)).
+def segment_averaging(real: torch.Tensor, num_landmarks: int, dtype: torch.dtype):
+    """(B, 1, m, n) matrix of segment means over real tokens, and (B, m) whether a segment has any.
 
     Segment j holds tokens [⌊j·n/m⌋, ⌊(j+1)·n/m⌋): m segments of ⌊n/m⌋ or ⌈n/m⌉ tokens, transformers' equal
-    segments when m divides n.
+    segments when m divides n. Landmarks are ``averaging @ q`` (O(n·m), shared by every head).
     """
-    n = q.shape[-2]
-    segment = torch.arange(n, device=q.device) * num_landmarks // n  # (n,) segment of each token
-    weights = real.to(q.dtype)  # (B, n)
-    counts = weights.new_zeros(weights.shape[0], num_landmarks).index_add_(1, segment, weights)
-    weights = weights / counts.clamp_min(1.0).index_select(1, segment)
-    means = []
-    for x in (q, k):
-        weighted = x * weights[:, None, :, None]
-        means.append(weighted.new_zeros(*x.shape[:2], num_landmarks, x.shape[-1]).index_add(2, segment, weighted))
-    return means[0], means[1], counts > 0
+    n = real.shape[-1]
+    segment = torch.arange(n, device=real.device) * num_landmarks // n  # (n,) segment of each token
+    member = segment[None, :] == torch.arange(num_landmarks, device=real.device)[:, None]  # (m, n)
+    weights = (member[None] & real[:, None, :]).to(dtype)  # (B, m, n)
+    counts = weights.sum(-1, keepdim=True)
+    return (weights / counts.clamp_min(1.0))[:, None], counts[..., 0] > 0
 
 
 def iterative_pinv(kernel: torch.Tensor, iterations: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 from transformers.models.nystromformer.modeling_nystromformer import NystromformerSelfAttention
-from zoo.variants.nystromformer import NystromformerAttention, ValueConvolution, iterative_pinv, segment_means
+from zoo.variants.nystromformer import NystromformerAttention, ValueConvolution, iterative_pinv, segment_averaging
 
 import zoo
 from zoo.contract import LargestAllocation
@@ -32,6 +32,11 @@ def call(mask=None, weights=None, scaling: float = DIM**-0.5) -> AttentionCall:
 
 def relative_error(out, ref) -> float:
     return float((out - ref).norm() / ref.norm())
+
+
+def segment_means(q, k, real, num_landmarks: int):
+    averaging, has = segment_averaging(real, num_landmarks, q.dtype)
+    return averaging @ q, averaging @ k, has
 
 
 # -- transformers' semantics ----------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from zoo.variants import reformer
 from zoo.variants.reformer import ReformerAttention, shared_keys
 
 import zoo
@@ -118,6 +119,21 @@ def test_gradients_equal_those_of_the_pattern_reference(causal):
         grads.append([x.grad for x in leaves])
     for got, want in zip(*grads, strict=True):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)
+
+
+def test_head_slices_change_nothing(monkeypatch):
+    """The flash path runs cache-sized slices of heads: one head per slice gives the same output and gradients."""
+    q, k, v = qkv(64, heads=3)
+    c = call(True, padding(64, 50))
+    results = []
+    for elements in (reformer.SLICE_ELEMENTS, 1):
+        monkeypatch.setattr(reformer, "SLICE_ELEMENTS", elements)
+        leaves = [x.clone().requires_grad_() for x in (q, v)]
+        out = run_variant(ReformerAttention(bucket_size=8), leaves[0], k, leaves[1], c)
+        out.square().sum().backward()
+        results.append([out.detach(), *(x.grad for x in leaves)])
+    for whole, sliced in zip(*results, strict=True):
+        torch.testing.assert_close(sliced, whole)
 
 
 def test_a_token_attends_to_itself_only_when_alone():
