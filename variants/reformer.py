@@ -137,6 +137,13 @@ class ReformerAttention(Variant):
             out = lsh_attention(q.to(compute), v.to(compute), buckets, self.bucket_size, call)
         return out.to(v.dtype)
 
+    def cache_layer(self, layer_idx: int, config):
+        raise ValueError(
+            "attention-zoo variant 'reformer' cannot decode with a KV cache: its keys are the queries of every earlier "
+            "token (shared query-key), which a cache of keys does not hold. Generate with use_cache=False (each step "
+            "reruns the whole sequence), or pick a variant with a cache (see `zoo list`)."
+        )
+
     def reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         """Full shared-QK attention, what LSH approximates: every allowed key but itself, itself when alone (O(n²))."""
         batch, heads, n, _ = q.shape

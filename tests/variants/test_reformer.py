@@ -277,3 +277,23 @@ def test_odd_bucket_count_is_refused_at_configure():
     config = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
     with pytest.raises(VariantParameterError, match="'n_buckets' = 5 must be even"):
         zoo.configure(config, "reformer", n_buckets=5)
+
+
+def test_generate_refuses_a_kv_cache_and_decodes_without_one():
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=64, num_key_value_heads=2)
+    zoo.configure(config, "reformer", bucket_size=4)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    kwargs = {"attention_mask": mask, "max_new_tokens": 3, "do_sample": False, "pad_token_id": 0}
+    with pytest.raises(ValueError, match="use_cache=False"):
+        model.generate(ids, **kwargs)
+    out = model.generate(ids, use_cache=False, **kwargs)
+    assert out.shape == (2, 15)
+    full_mask = torch.cat([mask, torch.ones(2, 2, dtype=mask.dtype)], 1)
+    positions = (full_mask.cumsum(-1) - 1).clamp_min(0)  # as generate numbers a left-padded row
+    logits = model(input_ids=out[:, :-1], attention_mask=full_mask, position_ids=positions).logits
+    assert torch.equal(logits[:, -1].argmax(-1), out[:, -1])  # the last token is the full forward's greedy choice
