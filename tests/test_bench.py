@@ -211,6 +211,16 @@ def test_peer_layers_share_the_projections_and_keep_shapes(name):
     assert out.shape == x.shape and torch.isfinite(out).all()
 
 
+def test_zoo_layers_carry_the_variants_learned_weights():
+    """A variant with per-layer weights gets them in the benchmark layer, trained like its projections."""
+    contestant = bench.make_contestants(["nystromformer"], {"nystromformer": {"conv_kernel_size": 5}})[0]
+    layer = contestant.build(QKVProjections(32, 2), 200, causal=False)
+    assert layer.weights.conv.weight.shape == (2, 1, 5, 1)
+    layer(torch.randn(1, 200, 32)).sum().backward()
+    assert layer.weights.conv.weight.grad.abs().sum() > 0
+    assert bench.make_contestants(["nystromformer"], {})[0].build(QKVProjections(32, 2), 200, False).weights is None
+
+
 def test_in_process_runner_records_failures():
     """The CUDA path runs measurements in-process; a failure there is recorded the same way."""
     settings = bench.BenchSettings(lengths=[64], hidden=32, heads=2, repeats=2, warmup=0)

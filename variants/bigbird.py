@@ -32,7 +32,6 @@ random)) work per token, independent of the context length; memory O(n).
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
@@ -41,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from zoo.cache import GrowingLayer
-from zoo.ops import gathered_attention, pad_to_multiple, rows_attention, selected_attention
+from zoo.ops import gathered_attention, pad_to_multiple, rows_attention, selected_attention, stream_seed
 from zoo.variant import AttentionCall, IndexPredicate, Param, Variant, VariantParameterError
 
 LAYOUT_CACHE_SIZE = 256  # (layer, length) layouts kept; each is H·nb·(w+2g+r) indices
@@ -74,12 +73,6 @@ class BlockLayout:
     def adjacency(self) -> torch.Tensor:
         """(H, nb, nb) bool: query block i may see key block j."""
         return (self.block_counts > 0) | self.global_queries[None, :, None]
-
-
-def stream_seed(*parts: object) -> int:
-    """A 63-bit seed from a stable hash of ``parts`` (Python's ``hash`` is salted per process for strings)."""
-    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 def layout_uniforms(seed: int, layer_idx: int, num_blocks: int, heads: int, draws: int, causal: bool) -> torch.Tensor:

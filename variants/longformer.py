@@ -16,10 +16,15 @@ Causal mode: the band keeps its left half (``window // 2`` tokens to the left, t
 included), and causality wins over globality: a global token sees only itself and the past, and a query
 sees a global token only if it is not in its future.
 
-Difference from the paper and from transformers' ``LongformerSelfAttention``: global tokens use the
-layer's own q/k/v projections, not separate ``query_global``/``key_global``/``value_global`` ones (the
-attention interface hands the kernel one set of q/k/v). The output equals transformers' module when its
-global projections are set equal to the local ones.
+Global projections (``global_projections=True``, as in the paper and transformers'
+``LongformerSelfAttention``): the rows of global queries attend over all keys with their own learned
+``query_global``/``key_global``/``value_global`` (hidden -> hidden, per layer, under ``attention_zoo.``),
+applied to the layer's input hidden states; every other score -- window keys and the global keys seen by
+local queries -- uses the layer's q/k/v. They start as copies of the layer's query/key/value (the paper's
+conversion recipe), so a RoBERTa checkpoint converts with unchanged outputs; :func:`zoo.from_longformer`
+loads a transformers Longformer checkpoint's own. With ``global_projections=False`` (default) global rows
+use the layer's q/k/v: no extra weights. Global projections need the whole sequence in one call (no KV
+cache decoding).
 
 Kernel: queries in blocks; each block attends to the key blocks of the band around it
 (:func:`zoo.ops.band_part`: gathered and computed chunk by chunk on CPU, global keys masked inside the band so
@@ -45,6 +50,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from zoo.cache import WindowedLayer
 from zoo.ops import KeyPart, band_part, rows_attention, selected_attention, split_blocks, union_attention
@@ -75,8 +81,16 @@ class LongformerAttention(Variant):
             list_of=int,
             min=0,
         ),
+        "global_projections": Param(
+            False, bool, "separate learned query/key/value projections for global attention rows (the paper's)"
+        ),
     }
     test_params = {"window": 16, "global_tokens": [0, 37]}
+
+    def make_module(self, layer_idx: int, config, head_dim: int, num_heads: int) -> nn.Module | None:
+        if not self.global_projections:
+            return None
+        return GlobalProjections(config.hidden_size, num_heads, head_dim)
 
     # ----------------------------------------------------------------------------------------------
     # the spec
@@ -159,7 +173,15 @@ class LongformerAttention(Variant):
         extra = _global_keys(k, v, is_global, call.causal, start)
         band_ok = _rows_from(key_real & ~is_global, start)  # global keys count once: in the appended part
         local = _last_rows(_local_attention(*in_reach, band_ok, call, half, dilation, extra), q_len)
-        return _with_global_rows(local, q, k, v, key_real, is_global, call)
+        if not self.global_projections:
+            return _with_global_rows(local, q, k, v, key_real, is_global, call)
+        if q_len != n:
+            raise ValueError(
+                "attention-zoo variant 'longformer': global_projections=True projects the hidden states of the whole "
+                f"sequence, but this call has {q_len} queries over {n} keys (decoding with a KV cache). Run the full "
+                "sequence, or use global_projections=False."
+            )
+        return _with_global_rows(local, q, k, v, key_real, is_global, call, self.layer_weights(call))
 
     def attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         """Decoding with the windowed cache: each new query over the sinks and its window among the kept keys,
@@ -173,6 +195,12 @@ class LongformerAttention(Variant):
         query_global = None  # no global query after the last global position
         if int(layer.query_positions[0]) < layer.complete_until:
             query_global = self.globals_at(call.extra, True, layer.query_positions, layer.seen)
+            if self.global_projections and query_global is not None and bool(query_global.any()):
+                raise ValueError(
+                    "attention-zoo variant 'longformer': global_projections=True computes global query rows from "
+                    "the hidden states of the whole sequence, which decoding with a cache does not have. Generate "
+                    "without global query tokens, or use global_projections=False."
+                )
 
         def select(rows: slice) -> slice | torch.Tensor | None:
             if query_global is not None and bool(query_global[:, rows].any()):
@@ -212,6 +240,8 @@ class LongformerAttention(Variant):
 def _checked_global_attention_mask(mask: torch.Tensor, n: int) -> torch.Tensor:
     """(batch, L) bool over the first L <= n tokens: ``generate`` passes the prompt's mask at every step, and the
     tokens after it are not global."""
+    if isinstance(mask, torch.Tensor) and mask.dim() == 3:  # multiple choice: (batch, choices, seq), as flattened ids
+        mask = mask.flatten(0, 1)
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[-1] > n or mask.shape[-1] == 0:
         shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(
@@ -324,8 +354,9 @@ def _global_keys(k, v, is_global, causal, start):
     return _gather_rows(k, slots), _gather_rows(v, slots), allowed
 
 
-def _with_global_rows(local, q, k, v, key_real, is_global, call) -> torch.Tensor:
-    """``local`` (B, H, q_len, D) with the rows of global queries replaced by their attention over all keys."""
+def _with_global_rows(local, q, k, v, key_real, is_global, call, projections=None) -> torch.Tensor:
+    """``local`` (B, H, q_len, D) with the rows of global queries replaced by their attention over all keys
+    (with the layer's q/k/v, or with the separate global ones of ``projections``)."""
     first = k.shape[-2] - q.shape[-2]
     rows_at, valid = _global_slots(is_global[:, first:])
     if rows_at.shape[-1] == 0:
@@ -333,8 +364,60 @@ def _with_global_rows(local, q, k, v, key_real, is_global, call) -> torch.Tensor
     allowed = key_real[:, None, None, :] & valid[:, None, :, None]
     if call.causal:
         allowed = allowed & (torch.arange(k.shape[-2], device=k.device) <= (rows_at + first)[:, None, :, None])
-    rows = rows_attention(_gather_rows(q, rows_at), k, v, allowed, call)
+    if projections is None:
+        rows = rows_attention(_gather_rows(q, rows_at), k, v, allowed, call)
+    else:
+        rows = rows_attention(*projections.project(rows_at, q.dtype), allowed, call)
     index = rows_at[:, None, :, None].expand(rows.shape)
     # Unused slots point at distinct non-global rows (see _global_slots): they write back the local value.
     rows = torch.where(valid[:, None, :, None], rows, local.gather(2, index))
     return local.scatter(2, index, rows)
+
+
+class GlobalProjections(nn.Module):
+    """One layer's ``query_global`` / ``key_global`` / ``value_global`` (hidden -> heads x head_dim, with bias),
+    named as in transformers' ``LongformerSelfAttention``; applied to the attention module's input."""
+
+    needs_hidden_states = True
+    LOCAL_NAMES = (("query", "key", "value"), ("q_proj", "k_proj", "v_proj"))
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.query_global = nn.Linear(hidden_size, num_heads * head_dim)
+        self.key_global = nn.Linear(hidden_size, num_heads * head_dim)
+        self.value_global = nn.Linear(hidden_size, num_heads * head_dim)
+        self.hidden_states: torch.Tensor | None = None
+
+    def initialize_from(self, attention: nn.Module) -> None:
+        """Start as copies of the layer's query/key/value projections (BERT/RoBERTa names, or Llama's q/k/v_proj
+        with grouped key/value heads repeated); other layouts keep the seeded random initialisation."""
+        for names in self.LOCAL_NAMES:
+            local = [getattr(attention, name, None) for name in names]
+            if all(isinstance(m, nn.Linear) for m in local):
+                break
+        else:
+            return
+        for target, source in zip((self.query_global, self.key_global, self.value_global), local, strict=True):
+            repeat = target.out_features // source.out_features
+            weight = source.weight.unflatten(0, (-1, self.head_dim)).repeat_interleave(repeat, 0).flatten(0, 1)
+            target.weight.copy_(weight)
+            if source.bias is not None:
+                target.bias.copy_(source.bias.unflatten(0, (-1, self.head_dim)).repeat_interleave(repeat, 0).flatten())
+            else:
+                target.bias.zero_()
+
+    def project(self, rows_at: torch.Tensor, dtype: torch.dtype):
+        """(query rows (B, H, R, D) of the global positions ``rows_at`` (B, R), keys and values (B, H, n, D))."""
+        hidden = self.hidden_states
+        if hidden is None:
+            raise ValueError(
+                "attention-zoo variant 'longformer': global_projections=True needs the attention module's hidden "
+                "states, which the zoo hands over only when the module is called inside its model."
+            )
+        index = rows_at[:, :, None].expand(-1, -1, hidden.shape[-1])
+        rows = self.query_global(hidden.gather(1, index))
+        return tuple(self._heads(x).to(dtype) for x in (rows, self.key_global(hidden), self.value_global(hidden)))
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)

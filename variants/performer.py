@@ -17,13 +17,12 @@ stabilizer becomes a running maximum that rescales the sums when it grows. It ca
 
 from __future__ import annotations
 
-import hashlib
 import math
 
 import torch
 
 from zoo.cache import RecurrentLayer
-from zoo.ops import default_chunk_size, in_head_groups, linear_attention, linear_attention_flops
+from zoo.ops import default_chunk_size, in_head_groups, linear_attention, linear_attention_flops, stream_seed
 from zoo.variant import AttentionCall, Param, Variant
 
 RELU_EPSILON = 1e-3  # keeps every relu feature vector non-zero (as in the reference implementation)
@@ -185,16 +184,10 @@ class PerformerAttention(Variant):
         Rows of norm √d (the paper's regularized variant) rather than χ(d)-distributed norms: on random normal
         q/k (head_dim 16 and 64) the relative error vs softmax was 30-45% lower at 64-4096 features.
         """
-        generator = torch.Generator().manual_seed(_mix_seed(self.seed, layer, draw))
+        generator = torch.Generator().manual_seed(stream_seed("performer", self.seed, layer, draw))
         blocks = []
         for _ in range(math.ceil(self.nb_features / head_dim)):
             gaussian = torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64)
             orthogonal, _ = torch.linalg.qr(gaussian)
             blocks.append(orthogonal.T)
         return torch.cat(blocks)[: self.nb_features] * math.sqrt(head_dim)
-
-
-def _mix_seed(seed: int, layer: int, draw: int) -> int:
-    """A 63-bit generator seed from (seed, layer, draw), stable across processes and platforms."""
-    digest = hashlib.blake2b(f"performer/{seed}/{layer}/{draw}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)

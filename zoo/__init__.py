@@ -5,6 +5,7 @@ saved with a variant load back with it.
 """
 
 from zoo.cache import cache_nbytes
+from zoo.convert import from_longformer
 from zoo.hf import IMPLEMENTATION, configure, install, make_cache, variant_for, variant_spec
 from zoo.longify import longify
 from zoo.registry import (
@@ -33,6 +34,7 @@ __all__ = [
     "VariantParameterError",
     "cache_nbytes",
     "configure",
+    "from_longformer",
     "get_variant_class",
     "list_variants",
     "longify",

@@ -17,6 +17,14 @@ Patched symbols (verified on transformers 5.24; the parameters each wrapper reli
   is no registry for third-party cache classes (unknown ``cache_implementation`` strings are rejected) and no
   hook between choosing and building the cache; models that override this method (t5gemma, ...) are not on the
   zoo's attention interface anyway.
+* ``PreTrainedModel.post_init`` -- after it, attaches the per-layer learned weights of a variant that declares
+  them (``Variant.make_module``, :mod:`zoo.weights`) to the attention modules of a model configured for the
+  zoo, so ``from_config`` and ``from_pretrained`` build them before loading and optimizers see them. Every
+  model ends ``__init__`` with ``post_init``; transformers has no hook to add submodules at construction.
+* ``PreTrainedModel._initialize_missing_keys`` -- after it, gives the variant weights a checkpoint lacked (a
+  base BERT/RoBERTa) their deterministic values and logs them in one line. transformers would draw them with
+  the model's ``_init_weights`` (no hook for per-module initialisation of foreign submodules), and its
+  "newly initialized" report is told to skip them (``_keys_to_ignore_on_load_missing``).
 
 Rules every patch follows:
 
@@ -66,7 +74,9 @@ RESOLVE_IMPLEMENTATION = Patch(PreTrainedModel, "get_correct_attn_implementation
 PREPARE_CACHE = Patch(
     GenerationMixin, "_prepare_cache_for_generation", ("self", "generation_config", "model_kwargs", "generation_mode")
 )
-PATCHES = (TO_DICT, RESOLVE_IMPLEMENTATION, PREPARE_CACHE)
+POST_INIT = Patch(PreTrainedModel, "post_init", ("self",))
+INITIALIZE_MISSING_KEYS = Patch(PreTrainedModel, "_initialize_missing_keys", ("self",))
+PATCHES = (TO_DICT, RESOLVE_IMPLEMENTATION, PREPARE_CACHE, POST_INIT, INITIALIZE_MISSING_KEYS)
 
 
 def _problem(patch: Patch) -> str | None:
@@ -106,6 +116,8 @@ def apply(
     saved_implementation: Callable[[PretrainedConfig], str | None],
     check_model: Callable[[PreTrainedModel, str | None], None],
     prepare_generation_cache: Callable[[Any, dict[str, Any], Callable[[], Any]], Any],
+    model_built: Callable[[PreTrainedModel], None] | None = None,
+    checkpoint_loaded: Callable[[PreTrainedModel], None] | None = None,
 ) -> None:
     """Install the wrappers (idempotent: a second call wraps the originals again, never a wrapper).
 
@@ -113,6 +125,8 @@ def apply(
     leave the dict alone); ``check_model(model, requested)`` raises if the model cannot run ``requested``;
     ``prepare_generation_cache(model, arguments, run_original)`` gets generate's arguments bound by name and a
     callable running the original (it must call it: it alone knows whether the model is a zoo model).
+    ``model_built(model)`` runs after ``post_init``, ``checkpoint_loaded(model)`` after
+    ``_initialize_missing_keys`` (each patch is installed only when its callback is given).
     """
 
     def make_to_dict(original: Callable) -> Callable:
@@ -143,6 +157,21 @@ def apply(
 
         return _prepare_cache_for_generation
 
+    def run_after(callback: Callable[[PreTrainedModel], None]) -> Callable[[Callable], Callable]:
+        def make_wrapper(original: Callable) -> Callable:
+            def wrapper(self: PreTrainedModel, *args: Any, **kwargs: Any) -> Any:
+                result = original(self, *args, **kwargs)
+                callback(self)
+                return result
+
+            return wrapper
+
+        return make_wrapper
+
     _wrap(TO_DICT, make_to_dict)
     _wrap(RESOLVE_IMPLEMENTATION, make_resolve)
     _wrap(PREPARE_CACHE, make_prepare_cache)
+    if model_built is not None:
+        _wrap(POST_INIT, run_after(model_built))
+    if checkpoint_loaded is not None:
+        _wrap(INITIALIZE_MISSING_KEYS, run_after(checkpoint_loaded))

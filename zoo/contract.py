@@ -8,7 +8,9 @@ Each kernel is called through the same plumbing transformers uses (:func:`zoo.hf
 inputs (batch 2, 2 heads, n=100, head_dim 16, q/k/v ~ N(0, 1), the second row padded) built with the
 variant's ``test_params``. Exact variants must equal their reference -- softmax attention restricted to
 their own pattern -- within 1e-5 in fp32; approximate ones must stay within their ``error_bound``. A variant
-that declares memory below O(n²) must allocate no n x n tensor at n = 4096 (forward and backward).
+that declares memory below O(n²) must allocate no n x n tensor at n = 4096 (forward and backward). A variant
+with learned per-layer weights (``make_module``) gets them in every kernel call (``make_call(..., variant=...)``,
+seeded as in a model), and its weights must receive gradients and reload identically.
 
 The helpers (inputs, the reference, comparisons, the allocation probe, the reload check) live in
 :mod:`zoo.testing`, for a plugin's own tests beyond this suite.
@@ -34,7 +36,9 @@ from zoo.testing import (
     assert_matches_reference,
     assert_memory_below_quadratic,
     assert_reloads_identically,
+    assert_weights_train_and_reload,
     declares_subquadratic_memory,
+    declares_weights,
     make_call,
     make_inputs,
     make_variant,
@@ -108,7 +112,7 @@ def test_shape_and_dtype(name):
     variant = make_variant(name)
     for causal in modes(name):
         q, k, v, mask = make_inputs()
-        out = run_variant(variant, q, k, v, make_call(causal, mask))
+        out = run_variant(variant, q, k, v, make_call(causal, mask, variant=variant))
         assert out.shape == q.shape and out.dtype == q.dtype
         assert torch.isfinite(out).all()
 
@@ -119,10 +123,10 @@ def test_padded_tokens_never_change_real_outputs(name, padding):
     variant = make_variant(name)
     for causal in modes(name):
         q, k, v, mask = make_inputs(padding=padding)
-        out = run_variant(variant, q, k, v, make_call(causal, mask))
+        out = run_variant(variant, q, k, v, make_call(causal, mask, variant=variant))
         pad = ~mask[:, None, :, None]
         noisy = [x.masked_fill(pad, 0.0) + torch.randn_like(x) * 100 * pad for x in (q, k, v)]
-        out_noisy = run_variant(variant, *noisy, make_call(causal, mask))
+        out_noisy = run_variant(variant, *noisy, make_call(causal, mask, variant=variant))
         torch.testing.assert_close(real_rows(out_noisy, mask), real_rows(out, mask), atol=ATOL, rtol=1e-4)
         assert (out[pad.expand_as(out)] == 0).all(), "padded query rows must be zero"
 
@@ -131,12 +135,12 @@ def test_padded_tokens_never_change_real_outputs(name, padding):
 def test_causal_mode_leaks_no_future_token(name):
     variant = make_variant(name)
     q, k, v, mask = make_inputs(padding=None)
-    out = run_variant(variant, q, k, v, make_call(True))
+    out = run_variant(variant, q, k, v, make_call(True, variant=variant))
     for t in (1, N // 3, N - 1):
         future = torch.zeros(1, 1, N, 1, dtype=torch.bool)
         future[..., t:, :] = True
         changed = [torch.where(future, torch.randn_like(x) * 10, x) for x in (q, k, v)]
-        out_changed = run_variant(variant, *changed, make_call(True))
+        out_changed = run_variant(variant, *changed, make_call(True, variant=variant))
         torch.testing.assert_close(out_changed[..., :t, :], out[..., :t, :], atol=ATOL, rtol=1e-4)
 
 
@@ -146,7 +150,7 @@ def test_matches_reference_restricted_to_its_pattern(name):
     for causal in modes(name):
         for seed, padding in ((0, "right"), (1, None)):
             q, k, v, mask = make_inputs(seed, padding=padding)
-            call = make_call(causal, mask)
+            call = make_call(causal, mask, variant=variant)
             out = run_variant(variant, q, k, v, call)
             ref = reference(variant, q, k, v, call)
             assert_matches_reference(variant, real_rows(out, mask), real_rows(ref, mask))
@@ -158,14 +162,20 @@ def test_gradients_are_finite_and_match_the_reference(name):
     for causal in modes(name):
         q, k, v, mask = make_inputs(2)
         grad_out = torch.randn_like(q)
-        grads = []
+        grads, outs = [], []
         for fn in (run_variant, None):
             leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-            call = make_call(causal, mask)
+            call = make_call(causal, mask, variant=variant)
             out = run_variant(variant, *leaves, call) if fn else reference(variant, *leaves, call)
             (out * grad_out).sum().backward()
             grads.append([x.grad for x in leaves])
-        for got in grads[0]:
+            outs.append(out.detach())
+        for i, got in enumerate(grads[0]):
+            if got is None:  # an input the kernel does not use (reformer: the keys are the queries) must not matter
+                changed = [torch.randn_like(x) if j == i else x for j, x in enumerate((q, k, v))]
+                out = run_variant(variant, *changed, make_call(causal, mask, variant=variant))
+                torch.testing.assert_close(out, outs[0], msg=lambda m, w="qkv"[i]: f"{name}: no gradient for {w}: {m}")
+                continue
             assert torch.isfinite(got).all(), f"{name}: non-finite gradient"
         if variant.exact:
             for got, want, which in zip(grads[0], grads[1], "qkv", strict=True):
@@ -178,11 +188,11 @@ def test_bf16_runs_without_nan(name):
     for causal in modes(name):
         q, k, v, mask = make_inputs(3, dtype=torch.bfloat16)
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        out = run_variant(variant, *leaves, make_call(causal, mask))
+        out = run_variant(variant, *leaves, make_call(causal, mask, variant=variant, dtype=torch.bfloat16))
         assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
         out.float().sum().backward()
-        assert all(torch.isfinite(x.grad).all() for x in leaves)
-        ref = run_variant(variant, *(x.float() for x in (q, k, v)), make_call(causal, mask))
+        assert all(x.grad is None or torch.isfinite(x.grad).all() for x in leaves)  # None: an unused input
+        ref = run_variant(variant, *(x.float() for x in (q, k, v)), make_call(causal, mask, variant=variant))
         assert relative_error(out.float(), ref) < 0.05
 
 
@@ -191,8 +201,8 @@ def test_eval_is_deterministic(name):
     variant = make_variant(name)
     for causal in modes(name):
         q, k, v, mask = make_inputs(4)
-        first = run_variant(variant, q, k, v, make_call(causal, mask))
-        second = run_variant(variant, q, k, v, make_call(causal, mask))
+        first = run_variant(variant, q, k, v, make_call(causal, mask, variant=variant))
+        second = run_variant(variant, q, k, v, make_call(causal, mask, variant=variant))
         assert torch.equal(first, second)
 
 
@@ -201,14 +211,14 @@ def test_attention_dropout_is_applied_or_refused(name):
     variant = make_variant(name)
     causal = modes(name)[0]
     q, k, v, mask = make_inputs(5)
-    call = make_call(causal, mask, dropout=0.5, training=True)
+    call = make_call(causal, mask, dropout=0.5, training=True, variant=variant)
     if not variant.supports_dropout:
         with pytest.raises(ValueError, match="dropout"):
             run_variant(variant, q, k, v, call)
         return
     torch.manual_seed(0)
     dropped = run_variant(variant, q, k, v, call)
-    plain = run_variant(variant, q, k, v, make_call(causal, mask, training=True))
+    plain = run_variant(variant, q, k, v, make_call(causal, mask, training=True, variant=variant))
     assert torch.isfinite(dropped).all() and not torch.allclose(dropped, plain)
 
 
@@ -261,3 +271,14 @@ def test_runs_in_llama_with_gqa_without_leaking_the_future(name):
     model.train()
     model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANTS if declares_weights(make_variant(n))])
+def test_learned_weights_get_gradients_and_reload_identically(name):
+    """Variants with learned per-layer weights (``make_module``, at their ``test_params``): the weights are model
+    parameters, every one gets a gradient, and a trained model saves and reloads them (and its outputs) exactly."""
+    family = "bert" if get_variant_class(name).supports_bidirectional else "llama"
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(tiny_model_config(family, name))
+    ids, mask = model_inputs()
+    assert_weights_train_and_reload(model, {"input_ids": ids, "attention_mask": mask})

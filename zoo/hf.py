@@ -32,6 +32,7 @@ from zoo.cache import LAYER_KWARG, CacheRollbackError, ZooCache
 from zoo.ops import expand_kv
 from zoo.registry import UnknownVariantError, get_variant_class, variant_source
 from zoo.variant import AttentionCall, Variant
+from zoo.weights import WEIGHTS_NAME, attach, initialize_missing
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ def configure(target: PretrainedConfig | PreTrainedModel, name: str, **params: A
     config._attn_implementation = IMPLEMENTATION
     if model is not None:
         model.set_attn_implementation(IMPLEMENTATION)
+        attach(model, zoo_variant_of, replace=True)
     return target
 
 
@@ -194,6 +196,13 @@ def _check_spec(config: PretrainedConfig, spec: Any) -> None:
         )
 
 
+def zoo_variant_of(config: PretrainedConfig) -> Variant | None:
+    """The variant a config runs, or None when the config does not use the zoo."""
+    if getattr(config, "_attn_implementation", None) != IMPLEMENTATION or not getattr(config, CONFIG_KEY, None):
+        return None
+    return variant_for(config)
+
+
 def _layer_index(module: torch.nn.Module) -> int:
     """``module.layer_idx`` if the model sets it, else a stable index in first-call order."""
     idx = getattr(module, "layer_idx", None)
@@ -256,6 +265,7 @@ def zoo_attention_forward(
         state=spec.setdefault("state", {}),
         module=module,
         cache=cache_layer,
+        weights=module._modules.get(WEIGHTS_NAME),
     )
     out = run_variant(variant, query, key, value, call)
     return out.transpose(1, 2).contiguous(), None
@@ -384,6 +394,8 @@ def install() -> None:
         saved_implementation=_saved_implementation,
         check_model=_check_model_can_run,
         prepare_generation_cache=prepare_generation_cache,
+        model_built=_attach_weights,
+        checkpoint_loaded=_initialize_missing_weights,
     )
     _installed = True
 
@@ -400,6 +412,17 @@ def _check_model_can_run(model: PreTrainedModel, requested: str | None) -> None:
     if requested == IMPLEMENTATION:
         _check_model_supported(model.config, model)
         variant_for(model.config)
+
+
+def _attach_weights(model: PreTrainedModel) -> None:
+    """End of a model's __init__ (from_config and from_pretrained): the variant's per-layer weights, if any."""
+    if zoo_variant_of(model.config) is not None:
+        attach(model, zoo_variant_of)
+
+
+def _initialize_missing_weights(model: PreTrainedModel) -> None:
+    """After a checkpoint was loaded: deterministic values for the variant weights it lacked, one log line."""
+    initialize_missing(model, zoo_variant_of)
 
 
 def variant_spec(config: PretrainedConfig) -> dict[str, Any] | None:

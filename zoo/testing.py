@@ -18,7 +18,9 @@ A plugin author's own tests use the same inputs, dense reference, allocation pro
   :func:`real_rows`;
 * memory: :class:`LargestAllocation` (the largest tensor any op produces, forward and backward),
   :func:`largest_allocation` and :func:`assert_memory_below_quadratic` (what the suite runs at n = 4096);
-* persistence: :func:`assert_reloads_identically` (save_pretrained, from_pretrained, same variant and outputs).
+* persistence: :func:`assert_reloads_identically` (save_pretrained, from_pretrained, same variant and outputs);
+* learned weights (``Variant.make_module``): :func:`make_weights` (what ``make_call(..., variant=...)`` attaches),
+  :func:`declares_weights`, :func:`assert_weights_train_and_reload` (gradients reach them, they reload identically).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from zoo.hf import run_variant
 from zoo.ops import allowed_mask, softmax_attention
 from zoo.registry import get_variant_class
 from zoo.variant import AttentionCall, Variant
+from zoo.weights import WEIGHTS_NAME, build
 
 BATCH, HEADS, N, HEAD_DIM = 2, 2, 100, 16
 REAL_LENGTH = 73  # real tokens in the second (padded) row
@@ -85,9 +88,37 @@ def make_inputs(
     return q, k, v, mask
 
 
-def make_call(causal: bool, padding_mask=None, head_dim: int = HEAD_DIM, **kwargs) -> AttentionCall:
-    """An :class:`AttentionCall` with softmax scaling ``head_dim ** -0.5``; ``kwargs`` set the other fields."""
+def make_call(
+    causal: bool, padding_mask=None, head_dim: int = HEAD_DIM, variant: Variant | None = None, heads: int = HEADS,
+    dtype: torch.dtype = torch.float32, **kwargs,
+) -> AttentionCall:
+    """An :class:`AttentionCall` with softmax scaling ``head_dim ** -0.5``; ``kwargs`` set the other fields.
+    With ``variant``, the call carries that variant's learned weights (:func:`make_weights` for ``heads`` x
+    ``head_dim``, in ``dtype`` as in a model of that dtype) when it declares any."""
+    if variant is not None and "weights" not in kwargs:
+        weights = make_weights(variant, heads=heads, head_dim=head_dim)
+        kwargs["weights"] = weights.to(dtype) if weights is not None else None
     return AttentionCall(causal=causal, scaling=head_dim**-0.5, padding_mask=padding_mask, **kwargs)
+
+
+def make_weights(
+    variant: Variant, heads: int = HEADS, head_dim: int = HEAD_DIM, layer_idx: int = 0,
+    max_positions: int = MEMORY_CHECK_LENGTH,
+) -> torch.nn.Module | None:
+    """The variant's learned weights for one layer (None if it declares none), built as in a model (seeded per
+    layer, so every call returns the same values) for a BERT config of ``heads`` x ``head_dim`` with
+    ``max_positions`` positions."""
+    hidden = heads * head_dim
+    config = transformers.BertConfig(
+        hidden_size=hidden, num_attention_heads=heads, num_hidden_layers=1, intermediate_size=2 * hidden,
+        max_position_embeddings=max_positions,
+    )
+    return build(variant, layer_idx, config, head_dim, heads)
+
+
+def declares_weights(variant: Variant) -> bool:
+    """True when the variant, at its current parameters, has learned per-layer weights."""
+    return make_weights(variant) is not None
 
 
 def tiny_model_config(family: str, name: str, **params) -> transformers.PretrainedConfig:
@@ -201,7 +232,7 @@ def largest_allocation(
         mask = torch.ones(batch, n, dtype=torch.bool)
         mask[-1, n - n // 16 :] = False
     leaves = [x.requires_grad_() for x in (q, k, v)]
-    call = make_call(causal, mask, head_dim=head_dim, **call_fields)
+    call = make_call(causal, mask, head_dim=head_dim, variant=variant, heads=heads, **call_fields)
     with LargestAllocation() as probe:
         out = run_variant(variant, *leaves, call)
         out.sum().backward()
@@ -252,3 +283,25 @@ def assert_reloads_identically(
         after = reloaded(**inputs)[0]
     torch.testing.assert_close(after, before, msg=lambda m: f"reloaded model's output differs: {m}", **compare)
     return reloaded
+
+
+def assert_weights_train_and_reload(model: transformers.PreTrainedModel, inputs: dict) -> None:
+    """The variant's learned weights in ``model`` are parameters the optimizer sees, every one gets a finite, nonzero
+    gradient, and after a change (as training makes) ``save_pretrained`` / ``from_pretrained`` restores them exactly
+    and the outputs with them."""
+    named = {key: p for key, p in model.named_parameters() if f".{WEIGHTS_NAME}." in f".{key}"}
+    if not named:
+        raise AssertionError(f"{type(model).__name__} has no {WEIGHTS_NAME!r} parameters: make_module returned None?")
+    model.train()
+    out = model(**inputs)[0]
+    (out.float() * torch.randn(out.shape, generator=torch.Generator().manual_seed(0))).sum().backward()
+    for key, param in named.items():
+        if param.grad is None or not torch.isfinite(param.grad).all() or param.grad.abs().max() == 0:
+            raise AssertionError(f"learned weight {key} gets no (finite, nonzero) gradient: {param.grad}")
+    with torch.no_grad():
+        for param in named.values():
+            param.add_(0.1 * torch.randn(param.shape, generator=torch.Generator().manual_seed(1)).to(param))
+    reloaded = assert_reloads_identically(model, inputs)
+    state = reloaded.state_dict()
+    for key, param in named.items():
+        torch.testing.assert_close(state[key], param.detach(), atol=0, rtol=0, msg=lambda m, k=key: f"{k}: {m}")

@@ -120,6 +120,9 @@ class AttentionCall:
     ``cache`` is the variant's own cache layer (what :meth:`Variant.cache_layer` returned for this layer) when
     the model decodes with a zoo cache, else None. With a cache, q holds the new tokens only and k/v hold
     what the layer returned from ``update`` (see :mod:`zoo.cache`); ``padding_mask`` then covers those keys.
+
+    ``weights`` is this layer's module from :meth:`Variant.make_module` (None for variants without learned
+    weights); read it with :meth:`Variant.layer_weights`.
     """
 
     causal: bool
@@ -132,6 +135,7 @@ class AttentionCall:
     state: dict = field(default_factory=dict)
     module: torch.nn.Module | None = None
     cache: Any = None
+    weights: torch.nn.Module | None = None
 
 
 class Variant:
@@ -245,6 +249,32 @@ class Variant:
         The default counts dense attention; sparse and linear variants override it with their own cost.
         """
         return 4.0 * n * n * heads * head_dim * (0.5 if causal else 1.0)
+
+    def make_module(self, layer_idx: int, config: Any, head_dim: int, num_heads: int) -> torch.nn.Module | None:
+        """This layer's learned weights, or None (the default: a stateless kernel).
+
+        Called once per attention module when the model is built (``from_config``, ``from_pretrained``) or
+        configured (``zoo.configure(model, ...)``); the module is attached as ``<attention module>.attention_zoo``,
+        so it trains, saves and loads with the model, and reaches the kernel as ``call.weights``. Initialise it in
+        its constructor (PyTorch's default init, or your own): the zoo seeds the random generator per layer, so the
+        values are deterministic -- a checkpoint without them gets the same ones. ``config`` is the model's
+        transformers config (e.g. ``config.max_position_embeddings``, ``config.hidden_size``). A module that sets
+        ``needs_hidden_states = True`` finds the attention module's input in ``.hidden_states`` during the call;
+        one with an ``initialize_from(attention_module)`` method may then derive its values from the layer's own
+        weights (called once the layer's weights are final, also for a checkpoint that lacks the variant's).
+        """
+        return None
+
+    def layer_weights(self, call: AttentionCall) -> torch.nn.Module:
+        """``call.weights``, or a clear error when the attention module was built without them."""
+        if call.weights is None:
+            raise ValueError(
+                f"attention-zoo variant {self.name!r} has learned per-layer weights, but this attention module has "
+                "none (no `attention_zoo` submodule). Build the model from a config passed through zoo.configure "
+                "(from_config / from_pretrained with `import zoo` done first), or call zoo.configure(model, ...) "
+                "on the built model."
+            )
+        return call.weights
 
     def pattern(self, call: AttentionCall, q_len: int, kv_len: int) -> IndexPredicate | None:
         """Index predicate of the keys each query may see, before causality and padding; None = all."""

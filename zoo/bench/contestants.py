@@ -8,6 +8,7 @@ picklable description; :meth:`Contestant.build` makes the ``nn.Module`` inside t
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 
 from zoo.hf import run_variant
 from zoo.variant import AttentionCall, Variant
+from zoo.weights import build as build_weights
 
 # A pattern in the Variant.pattern style: (call, q_len, kv_len) -> index predicate or None (= every key).
 PatternFn = Any
@@ -83,16 +85,27 @@ class Contestant:
 
 
 class ZooAttentionLayer(nn.Module):
-    """Projections + a zoo variant called through the real plumbing (:func:`zoo.hf.run_variant`)."""
+    """Projections + a zoo variant called through the real plumbing (:func:`zoo.hf.run_variant`), with the
+    variant's learned weights when it has some (built as for layer 0 of a model whose ``max_position_embeddings``
+    is the benchmark length n; ``initialize_from`` sees the projections, as it would see BERT's attention)."""
 
-    def __init__(self, proj: QKVProjections, variant: Variant, causal: bool, dropout: float = 0.0) -> None:
+    def __init__(self, proj: QKVProjections, variant: Variant, causal: bool, dropout: float = 0.0, n: int = 0) -> None:
         super().__init__()
         self.proj, self.variant, self.causal, self.dropout = proj, variant, causal, dropout
+        config = SimpleNamespace(hidden_size=proj.heads * proj.head_dim, num_attention_heads=proj.heads,
+                                 max_position_embeddings=n)
+        self.weights = build_weights(variant, 0, config, proj.head_dim, proj.heads)
+        if hasattr(self.weights, "initialize_from"):
+            with torch.no_grad():
+                self.weights.initialize_from(proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.proj.split(x)
+        if getattr(self.weights, "needs_hidden_states", False):
+            self.weights.hidden_states = x
         dropout = self.dropout if self.training else 0.0
-        call = AttentionCall(causal=self.causal, scaling=q.shape[-1] ** -0.5, dropout=dropout, training=self.training)
+        call = AttentionCall(causal=self.causal, scaling=q.shape[-1] ** -0.5, dropout=dropout, training=self.training,
+                             weights=self.weights)
         return merge_heads(run_variant(self.variant, q, k, v, call))
 
 
@@ -123,7 +136,7 @@ class ZooContestant(Contestant):
         return {**self.__dict__, "_variant": None}  # the measuring process builds its own
 
     def build(self, proj: QKVProjections, n: int, causal: bool, dropout: float = 0.0) -> nn.Module:
-        return ZooAttentionLayer(proj, self.cls(**self.params), causal, dropout)
+        return ZooAttentionLayer(proj, self.cls(**self.params), causal, dropout, n)
 
     def reference_pattern(self, layer: nn.Module) -> PatternFn | None:
         return layer.variant.pattern if self.exact else None

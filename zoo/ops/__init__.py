@@ -2,7 +2,8 @@
 (``zoo.ops.blocked``), chunked gathered-block attention (``zoo.ops.gathered``), unions of key sets merged into
 one softmax (``zoo.ops.union``), the CPU flash wrappers (``zoo.ops.flash``) and their counterparts with attention
 dropout (``zoo.ops.dropout``: per-chunk masks redrawn in the backward, never stored), chunked prefix sums
-(``zoo.ops.prefix``), and few queries over their selected keys for decoding (``zoo.ops.selected``)."""
+(``zoo.ops.prefix``), few queries over their selected keys for decoding (``zoo.ops.selected``) and
+process-independent seeds (``zoo.ops.seeds``)."""
 
 from zoo.ops.blocked import (
     blocked_attention,
@@ -20,6 +21,7 @@ from zoo.ops.dense import (
 )
 from zoo.ops.gathered import gathered_attention
 from zoo.ops.prefix import default_chunk_size, linear_attention, linear_attention_flops, linear_attention_reference
+from zoo.ops.seeds import stream_seed
 from zoo.ops.selected import selected_attention
 from zoo.ops.union import GatheredPart, KeyPart, band_part, union_attention
 
@@ -43,5 +45,6 @@ __all__ = [
     "selected_attention",
     "softmax_attention",
     "split_blocks",
+    "stream_seed",
     "union_attention",
 ]
