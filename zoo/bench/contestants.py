@@ -8,15 +8,15 @@ picklable description; :meth:`Contestant.build` makes the ``nn.Module`` inside t
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import torch
+import transformers
 from torch import nn
 
 from zoo.hf import run_variant
 from zoo.variant import AttentionCall, Variant
-from zoo.weights import build as build_weights
+from zoo.weights import WEIGHTS_NAME, build
 
 # A pattern in the Variant.pattern style: (call, q_len, kv_len) -> index predicate or None (= every key).
 PatternFn = Any
@@ -85,28 +85,46 @@ class Contestant:
 
 
 class ZooAttentionLayer(nn.Module):
-    """Projections + a zoo variant called through the real plumbing (:func:`zoo.hf.run_variant`), with the
-    variant's learned weights when it has some (built as for layer 0 of a model whose ``max_position_embeddings``
-    is the benchmark length n; ``initialize_from`` sees the projections, as it would see BERT's attention)."""
+    """Projections + a zoo variant called through the real plumbing (:func:`zoo.hf.run_variant`).
 
-    def __init__(self, proj: QKVProjections, variant: Variant, causal: bool, dropout: float = 0.0, n: int = 0) -> None:
+    A variant with learned per-layer weights (:meth:`Variant.make_module`) gets them as in a model (seeded, layer 0,
+    for a config of this hidden size and heads whose ``max_position_embeddings`` is the benchmark's n), under
+    ``attention_zoo``, so they move with the layer's device and dtype and are timed with it (forward and backward).
+    """
+
+    def __init__(
+        self, proj: QKVProjections, variant: Variant, causal: bool, dropout: float = 0.0, n: int | None = None
+    ) -> None:
         super().__init__()
         self.proj, self.variant, self.causal, self.dropout = proj, variant, causal, dropout
-        config = SimpleNamespace(hidden_size=proj.heads * proj.head_dim, num_attention_heads=proj.heads,
-                                 max_position_embeddings=n)
-        self.weights = build_weights(variant, 0, config, proj.head_dim, proj.heads)
-        if hasattr(self.weights, "initialize_from"):
+        config = transformers.PretrainedConfig(
+            hidden_size=proj.heads * proj.head_dim, num_attention_heads=proj.heads, max_position_embeddings=n
+        )
+        weights = build(variant, 0, config, proj.head_dim, proj.heads)
+        if weights is not None and hasattr(weights, "initialize_from"):  # e.g. from the query/key/value projections
             with torch.no_grad():
-                self.weights.initialize_from(proj)
+                weights.initialize_from(proj)
+        self.add_module(WEIGHTS_NAME, weights)
+
+    @property
+    def weights(self) -> nn.Module | None:
+        """The variant's learned weights for this layer (None for a stateless kernel)."""
+        return self._modules[WEIGHTS_NAME]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.proj.split(x)
-        if getattr(self.weights, "needs_hidden_states", False):
-            self.weights.hidden_states = x
         dropout = self.dropout if self.training else 0.0
-        call = AttentionCall(causal=self.causal, scaling=q.shape[-1] ** -0.5, dropout=dropout, training=self.training,
-                             weights=self.weights)
-        return merge_heads(run_variant(self.variant, q, k, v, call))
+        weights = self.weights
+        call = AttentionCall(
+            causal=self.causal, scaling=q.shape[-1] ** -0.5, dropout=dropout, training=self.training, weights=weights
+        )
+        if not getattr(weights, "needs_hidden_states", False):
+            return merge_heads(run_variant(self.variant, q, k, v, call))
+        weights.hidden_states = x  # as zoo.weights hands them over inside a model, and drops them after the call
+        try:
+            return merge_heads(run_variant(self.variant, q, k, v, call))
+        finally:
+            weights.hidden_states = None
 
 
 class ZooContestant(Contestant):
