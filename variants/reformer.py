@@ -190,7 +190,7 @@ def lsh_attention(q: torch.Tensor, v: torch.Tensor, buckets: torch.Tensor, chunk
         alone = take(empty[..., None].to(q.dtype), unsort, rounds=True).bool().all(2)  # (B, H, N, 1): none at all
     keys = shared_keys(q)
     dropout = call.dropout if call.training else 0.0
-    if flash_available(q, dropout):
+    if flash_available(q) and not dropout:  # with dropout: the chunk-sized fallback below
         out = _SortedChunksFlash.apply(q, keys, v, allowed, order, unsort, call.scaling)
     else:
         q_sorted, keys, values = (chunked(take(x, order), chunk) for x in (q, keys, v))
