@@ -186,7 +186,7 @@ def _row(contestant: DecodeContestant, n: int, **values: Any) -> dict[str, Any]:
 
 def _skip_note(contestant: DecodeContestant, settings: DecodeSettings, n: int, history: History) -> str | None:
     if history.failed_at is not None:
-        return f"skipped: failed at n={history.failed_at} ({history.failure})"
+        return f"skipped: failed at n={history.failed_at} (see Errors)"
     growth = 2.0 if contestant.name in QUADRATIC_PREFILL else 1.0
     estimate = extrapolate(history.times, n, lambda a, b: (b / a) ** growth, 1.0)
     if estimate is not None and estimate > settings.max_seconds:
