@@ -31,8 +31,8 @@ import torch
 from zoo.ops.flash import flash_backward, flash_forward
 from zoo.variant import AttentionCall
 
-# Scores per chunk (2 MB in fp32): a chunk's scores, probabilities and mask stay in the cores' caches.
-CHUNK_ELEMENTS = 2**19
+# Scores per chunk (4 MB in fp32): fewer, larger chunks measured faster than 1-2 MB ones (16K, 2 threads).
+CHUNK_ELEMENTS = 2**20
 # Groups per chunk are a multiple of this when at least that many fit: torch's CPU bmm splits a batch across its
 # threads, and 3 groups on 2 threads left one idle half the time (1.24x slower at 16K, measured). A constant, not
 # the thread count: the chunks (hence the masks) must not depend on the threads of the backward.
