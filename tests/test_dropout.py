@@ -5,6 +5,7 @@ the same mask (many small chunks, so masks come from many per-chunk generators),
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -100,6 +101,17 @@ def test_keep_masks_have_the_dropout_distribution():
     assert torch.equal(stream.child(0).keep_mask((1000, 1000)), first)  # the backward redraws the same mask
     assert abs((1 - 1 / stream.keep_scale) - 0.1) <= 2**-17  # p rounded to 16 bits, scaled by its exact inverse
     assert Dropout(1.0, seed=1).keep_scale == 0.0 and not Dropout(1.0, seed=1).keep_mask((100,)).any()
+    buffer = np.full(2_000_000, 7.0, np.float32)  # a reused buffer holds the same mask, whatever it held before
+    assert torch.equal(stream.child(1).keep_mask((1000, 1000), buffer), second)
+
+
+@pytest.mark.parametrize(("queries", "keys"), [(0, 5), (3, 0)])
+def test_no_query_or_no_key_gives_zeros(queries, keys):
+    q, k = torch.randn(1, 2, queries, 8), torch.randn(1, 2, keys, 8)
+    out, lse = dropout_ops.dropout_forward(q, k, k, None, 0.3, Dropout(0.1, seed=3))
+    grads = dropout_ops.dropout_backward(torch.ones_like(out), q, k, k, out, lse, None, 0.3, Dropout(0.1, seed=3))
+    assert out.shape == (1, 2, queries, 8) and not out.any() and not lse.any()
+    assert all(not g.any() for g in grads)
 
 
 @pytest.mark.parametrize("name", VARIANTS)

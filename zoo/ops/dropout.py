@@ -81,7 +81,8 @@ class Dropout:
     def keep_mask(self, shape: tuple[int, ...], buffer: np.ndarray | None = None) -> torch.Tensor:
         """fp32 keep decisions (1 kept, 0 dropped) of this stream, ``shape`` in row-major order, P(1) = 1 − p_rounded.
         ``buffer``: a float32 array of at least that many elements to write them into (reused across a call's chunks:
-        a fresh 4 MB array per chunk costs its page faults, 12% of the mask time at 16K).
+        a fresh 4 MB array per chunk costs its page faults, 12% of the mask time at 16K); the mask returned shares its
+        memory, so it is valid until the next mask drawn into the same buffer.
 
         The bits come from numpy's PCG64 seeded by ``SeedSequence(seed, spawn_key=path)`` (independent streams per
         chunk by construction): about 4x cheaper per bit than ``torch.Generator``'s mt19937 here (measured),
@@ -128,8 +129,8 @@ def dropout_forward(q, k, v, mask: torch.Tensor | None, scale: float, dropout: D
     swap = _swapped(q)
     if swap:
         q, k, v, mask = _swap(q, k, v, mask)
-    out = q.new_empty(*q.shape[:-1], v.shape[-1])
-    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1]) if k.shape[-2] == 0 else q.new_empty(*q.shape[:-1], v.shape[-1])
+    lse = torch.zeros(q.shape[:-1], dtype=torch.float32, device=q.device)
     buffer = _mask_buffer(q.shape, k.shape[-2])
     for number, (a, groups, rows) in enumerate(_chunks(q.shape, k.shape[-2])):
         keep = dropout.child(number).keep_mask(_chunk_shape(groups, rows, k.shape[-2]), buffer)
@@ -144,7 +145,8 @@ def dropout_backward(grad, q, k, v, out, lse, mask: torch.Tensor | None, scale: 
     if swap:
         q, k, v, mask = _swap(q, k, v, mask)
         grad, out, lse = (x.transpose(0, 1) for x in (grad, out, lse))
-    grad_q, grad_k, grad_v = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    empty = torch.zeros if q.shape[-2] == 0 or k.shape[-2] == 0 else torch.empty
+    grad_q, grad_k, grad_v = (empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     buffer = _mask_buffer(q.shape, k.shape[-2])
     for number, (a, groups, rows) in enumerate(_chunks(q.shape, k.shape[-2])):
         keep = dropout.child(number).keep_mask(_chunk_shape(groups, rows, k.shape[-2]), buffer)
@@ -171,6 +173,8 @@ def _chunks(shape: tuple[int, ...], keys: int):
     (Q, K) scores fit, else rows of one group. A function of the shapes only (the backward redraws the same)."""
     outer, groups, rows = shape[:3]
     per_group = rows * keys
+    if per_group == 0:  # no query or no key: nothing to compute (the callers zero-fill)
+        return
     for a in range(outer):
         if per_group <= CHUNK_ELEMENTS:
             step = CHUNK_ELEMENTS // per_group
