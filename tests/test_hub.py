@@ -444,9 +444,50 @@ def _break_trainer_args(folder: Path):
     (folder / "training_args.bin").write_bytes(b"pickle")
 
 
+def _break_truncated_weights(folder: Path):
+    """The reported case: model.safetensors cut at half its size."""
+    path = folder / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _break_one_byte_short(folder: Path):
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1])
+
+
+def _break_garbage_weights(folder: Path):
+    (folder / "model.safetensors").write_bytes(b"not safetensors at all")
+
+
+def _break_unknown_variant(folder: Path):
+    config = json.loads((folder / "config.json").read_text())
+    config["attention_zoo"]["variant"] = "no_such_variant"
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _break_invalid_params(folder: Path):
+    config = json.loads((folder / "config.json").read_text())
+    config["attention_zoo"]["params"] = {"no_such_param": 1}
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _break_sharded_index(folder: Path):
+    """An index naming a shard that is not there (model.safetensors replaced by the index)."""
+    (folder / "model.safetensors").unlink()
+    index = {"metadata": {}, "weight_map": {"bert.pooler.dense.bias": "model-00001-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
 @pytest.mark.parametrize(
     ("break_folder", "error", "message"),
     [
+        (_break_truncated_weights, NotHubReadyError, "model.safetensors does not load as safetensors.*truncated"),
+        (_break_one_byte_short, NotHubReadyError, "model.safetensors does not load as safetensors"),
+        (_break_garbage_weights, NotHubReadyError, "model.safetensors does not load as safetensors"),
+        (_break_sharded_index, NotHubReadyError, "names the weight file model-00001-of-00002.safetensors"),
+        (_break_unknown_variant, NotHubReadyError, "config.json would not load.*'no_such_variant'.*not installed"),
+        (_break_invalid_params, NotHubReadyError, "config.json would not load.*no_such_param"),
         (_break_no_config, NotAZooOutputError, "no config.json"),
         (_break_plain_config, NotAZooOutputError, "no 'attention_zoo' entry"),
         (_break_no_safetensors, NotHubReadyError, "no model.safetensors"),
@@ -461,9 +502,55 @@ def test_folders_that_are_not_hub_ready_are_refused(output_dir, tmp_path, break_
         push_folder(folder, "someone/name", dry_run=True)
 
 
+def test_dry_run_refuses_a_truncated_weights_file_through_the_cli(output_dir, tmp_path, capsys):
+    folder = shutil.copytree(output_dir, tmp_path / "halved")
+    _break_truncated_weights(folder)
+    assert zoo_main(["push", str(folder), "--repo-id", "someone/name", "--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert f"{folder / 'model.safetensors'} does not load" in err and "save_pretrained" in err
+
+
 def test_intermediate_checkpoints_are_left_out(output_dir, tmp_path, capsys):
     folder = shutil.copytree(output_dir, tmp_path / "with-checkpoints")
     (folder / "checkpoint-5").mkdir()
     (folder / "checkpoint-5" / "optimizer.pt").write_bytes(b"pickle")
     push_folder(folder, "someone/name", dry_run=True)
     assert "checkpoint-5" not in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------------
+# a variant's persisted state
+
+
+@pytest.mark.parametrize(
+    ("state", "key"),
+    [
+        ({"training_calls": "corrupted"}, "'training_calls' must map layer indices"),
+        ({"training_calls": {"0": "3"}}, r"'training_calls'\['0'\] must be a non-negative integer"),
+        ({"training_calls": {"first": 3}}, "'training_calls' has the key 'first'"),
+        ("corrupted", "'state' of the 'attention_zoo' entry"),
+    ],
+)
+def test_a_corrupted_state_is_refused_at_load_naming_variant_key_and_file(tmp_path, state, key):
+    """Not at the first forward ('str' object has no attribute 'setdefault'): at from_pretrained, and by zoo push."""
+    folder = make_output_dir(tmp_path / "performer", variant="performer", nb_features=8)
+    config = json.loads((folder / "config.json").read_text())
+    config["attention_zoo"]["state"] = state
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=key) as caught:
+        transformers.AutoModelForSequenceClassification.from_pretrained(folder)
+    assert "'performer'" in str(caught.value) and str(folder) in str(caught.value)
+    with pytest.raises(NotHubReadyError, match=key):
+        push_folder(folder, "someone/name", dry_run=True)
+
+
+def test_a_valid_performer_state_loads_and_keeps_counting(tmp_path):
+    folder = make_output_dir(tmp_path / "performer", variant="performer", nb_features=8)
+    config = json.loads((folder / "config.json").read_text())
+    config["attention_zoo"]["state"] = {"training_calls": {"0": 5, "1": 5}}
+    (folder / "config.json").write_text(json.dumps(config))
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        folder, attention_probs_dropout_prob=0.0
+    ).train()
+    model(input_ids=torch.tensor([[2, 5, 6, 3]]))
+    assert zoo.variant_spec(model.config)["state"]["training_calls"] == {"0": 6, "1": 6}

@@ -18,6 +18,8 @@ stabilizer becomes a running maximum that rescales the sums when it grows. It ca
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -25,6 +27,7 @@ from zoo.cache import RecurrentLayer
 from zoo.ops import default_chunk_size, in_head_groups, linear_attention, linear_attention_flops, stream_seed
 from zoo.variant import AttentionCall, Param, Variant
 
+TRAINING_CALLS = "training_calls"  # call.state key: training forward calls per layer (the redraw counter)
 RELU_EPSILON = 1e-3  # keeps every relu feature vector non-zero (as in the reference implementation)
 
 
@@ -150,6 +153,20 @@ class PerformerAttention(Variant):
     # ---------------------------------------------------------------------------------------------------
     # the random projection and its redraws
 
+    @classmethod
+    def check_state(cls, state: Mapping[str, Any]) -> None:
+        """``training_calls``: per layer (a string index, JSON object keys are strings), the training calls done."""
+        counters = state.get(TRAINING_CALLS, {})
+        if not isinstance(counters, Mapping):
+            raise ValueError(f"{TRAINING_CALLS!r} must map layer indices to call counts, got {counters!r}.")
+        for layer, done in counters.items():
+            if not (isinstance(layer, str) and layer.isdigit()):
+                raise ValueError(f"{TRAINING_CALLS!r} has the key {layer!r}; keys are layer indices like '0'.")
+            if isinstance(done, bool) or not isinstance(done, int) or done < 0:
+                raise ValueError(
+                    f"{TRAINING_CALLS!r}[{layer!r}] must be a non-negative integer (training calls), got {done!r}."
+                )
+
     def draw_index(self, call: AttentionCall) -> int:
         """Which draw of W this call uses; training calls advance the layer's counter in ``call.state``.
 
@@ -158,7 +175,7 @@ class PerformerAttention(Variant):
         """
         if self.redraw_interval == 0:
             return 0
-        counters = call.state.setdefault("training_calls", {})
+        counters = call.state.setdefault(TRAINING_CALLS, {})
         layer = str(call.layer_idx)  # JSON object keys are strings: same key before and after a reload
         done = int(counters.get(layer, 0))
         if call.training:

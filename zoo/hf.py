@@ -161,39 +161,60 @@ def variant_for(config: PretrainedConfig) -> Variant:
             f"This model uses attn_implementation={IMPLEMENTATION!r} but its config has no {CONFIG_KEY!r} "
             f"entry. Call zoo.configure(config_or_model, 'variant_name', ...) first."
         )
-    _check_spec(config, spec)
+    where = _config_file(config)
+    _check_spec(spec, where)
     cached = _variants.get(id(config))
     key = (spec["variant"], repr(spec.get("params", {})))
     if cached is None or cached[0] != key:
-        try:
-            cls = get_variant_class(spec["variant"])
-        except UnknownVariantError as exc:
-            raise UnknownVariantError(
-                f"This model was saved with attention-zoo variant {spec['variant']!r} from package "
-                f"{spec.get('package')!r} {spec.get('version', '')}, which is not installed here. "
-                f"Install it (pip install {spec.get('package')}) and import zoo before loading."
-            ) from exc
-        variant = cls(**spec.get("params", {}))
-        cached = (key, variant)
+        cached = (key, check_saved_spec(spec, where))
         _cache_for(_variants, config, cached)
         _variants[id(config)] = cached
     return cached[1]
 
 
-def _check_spec(config: PretrainedConfig, spec: Any) -> None:
+def _config_file(config: PretrainedConfig) -> str:
+    return f"config.json in {config.name_or_path!r}" if getattr(config, "name_or_path", "") else "the model config"
+
+
+def check_saved_spec(spec: Any, where: str) -> Variant:
+    """The variant a saved ``attention_zoo`` entry describes, after every check ``from_pretrained`` makes: the
+    entry's shape, the variant installed, its parameters valid, its persisted ``state`` well formed.
+    ``where`` names the file in the errors."""
+    _check_spec(spec, where)
+    try:
+        cls = get_variant_class(spec["variant"])
+    except UnknownVariantError as exc:
+        raise UnknownVariantError(
+            f"{where} was saved with attention-zoo variant {spec['variant']!r} from package "
+            f"{spec.get('package')!r} {spec.get('version', '')}, which is not installed here. "
+            f"Install it (pip install {spec.get('package')}) and import zoo before loading."
+        ) from exc
+    state = spec.get("state", {})
+    try:
+        cls.check_state(state)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"The persisted 'state' of attention-zoo variant {spec['variant']!r} in the {CONFIG_KEY!r} entry of "
+            f"{where} is corrupted: {exc} Fix it, or set it to {{}} (the variant starts its state afresh)."
+        ) from exc
+    return cls(**spec.get("params", {}))
+
+
+def _check_spec(spec: Any, where: str) -> None:
     """A readable error for a hand-edited or corrupted ``attention_zoo`` entry (naming the entry and the file)."""
-    where = f"config.json in {config.name_or_path!r}" if getattr(config, "name_or_path", "") else "the model config"
     example = "{'variant': 'longformer', 'params': {'window': 512}, ...}"
     if not isinstance(spec, Mapping) or not isinstance(spec.get("variant"), str):
         raise ValueError(
             f"The {CONFIG_KEY!r} entry of {where} must be a mapping with a 'variant' name, like {example}; got "
             f"{spec!r}. Fix that entry, or configure the model again with zoo.configure(model, 'variant_name', ...)."
         )
-    if not isinstance(spec.get("params", {}), Mapping):
-        raise ValueError(
-            f"'params' of the {CONFIG_KEY!r} entry of {where} must be a mapping of parameter names to values, like "
-            f"{example}; got {spec['params']!r}. Fix that entry, or configure the model again with zoo.configure."
-        )
+    for entry in ("params", "state"):
+        if not isinstance(spec.get(entry, {}), Mapping):
+            raise ValueError(
+                f"{entry!r} of the {CONFIG_KEY!r} entry of {where} (variant {spec['variant']!r}) must be a mapping, "
+                f"like {example}; got {spec[entry]!r}. Fix that entry, or configure the model again with "
+                "zoo.configure."
+            )
 
 
 def zoo_variant_of(config: PretrainedConfig) -> Variant | None:

@@ -9,6 +9,7 @@ ever handed to HfApi.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from dataclasses import dataclass
@@ -17,15 +18,18 @@ from pathlib import Path
 from huggingface_hub import HfApi, ModelCard, constants, get_token, is_offline_mode
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects, validate_repo_id
+from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from zoo.card import CARD_NAME, build_model_card, read_zoo_config, write_model_card
+from zoo.card import CARD_NAME, CONFIG_NAME, build_model_card, read_zoo_config, write_model_card
+from zoo.hf import check_saved_spec
 
 logger = logging.getLogger(__name__)
 
 # Left out like transformers' Trainer.push_to_hub does: scratch files and intermediate training checkpoints.
 IGNORE_PATTERNS = ["_*", "checkpoint-*"]
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+WEIGHT_FILES = (SINGLE_FILE, INDEX_FILE)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 # The HTTP client's base error (httpx2.HTTPError in huggingface_hub 2.x): connection failures raise it, not OSError.
 _CLIENT_HTTP_ERROR = next(c for c in HfHubHTTPError.__mro__[1:] if c.__name__ == "HTTPError")
@@ -56,9 +60,10 @@ def plan_upload(folder: str | Path, repo_id: str) -> UploadPlan:
     """Check everything that can be checked offline and list what would be uploaded."""
     folder = Path(folder)
     check_repo_id(repo_id)
-    read_zoo_config(folder)
+    check_variant_loads(folder, read_zoo_config(folder))
     files = upload_files(folder)
     check_hub_ready(folder, [path for path, _ in files])
+    check_weights_load(folder, [path for path, _ in files])
     card_path = folder / CARD_NAME
     if card_path.is_file():
         return UploadPlan(folder, repo_id, files, _load_card(card_path), card_on_disk=True)
@@ -96,6 +101,50 @@ def check_hub_ready(folder: Path, files: list[str]) -> None:
             f"{folder} holds pickle files that would be uploaded: {', '.join(pickles)}. Loading a pickle runs "
             "arbitrary code and the weights are already in model.safetensors: delete these files and push again."
         )
+
+
+def check_variant_loads(folder: Path, config: dict) -> None:
+    """The saved variant is installed here, its parameters are valid and its state is well formed: what
+    ``from_pretrained`` checks, so a folder that would not load is never uploaded."""
+    try:
+        check_saved_spec(config["attention_zoo"], str(folder / CONFIG_NAME))
+    except (KeyError, ValueError, ImportError, RuntimeError) as exc:  # unknown, invalid, broken or conflicting
+        raise NotHubReadyError(f"{folder / CONFIG_NAME} would not load: {exc}") from exc
+
+
+def weight_shards(folder: Path, files: list[str]) -> list[str]:
+    """The safetensors files from_pretrained reads: model.safetensors, or every shard the index names."""
+    if SINGLE_FILE in files:
+        return [SINGLE_FILE]
+    index = folder / INDEX_FILE
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        return sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise NotHubReadyError(
+            f"{index} is not a safetensors index (a JSON object with a 'weight_map'): {exc!r}. Save the model again "
+            "with model.save_pretrained(folder)."
+        ) from exc
+
+
+def check_weights_load(folder: Path, files: list[str]) -> None:
+    """Every weight file is whole: safetensors reads its header and checks each tensor's offsets and byte size
+    against the file's length, so a truncated or corrupted file is refused, naming it."""
+    for name in weight_shards(folder, files):
+        path = folder / name
+        if name not in files:
+            raise NotHubReadyError(
+                f"{folder / INDEX_FILE} names the weight file {name}, which is not in {folder} (or would not be "
+                "uploaded). Save the model again with model.save_pretrained(folder)."
+            )
+        try:
+            with safe_open(path, framework="pt") as weights:
+                weights.keys()
+        except (SafetensorError, OSError) as exc:
+            raise NotHubReadyError(
+                f"{path} does not load as safetensors ({exc}; {path.stat().st_size:,} bytes on disk): the file is "
+                "truncated or corrupted. Save the model again with model.save_pretrained(folder) before pushing."
+            ) from exc
 
 
 def _load_card(path: Path) -> ModelCard:

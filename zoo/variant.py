@@ -14,7 +14,7 @@ scaling and dropout. The kernel returns ``(batch, heads, q_len, head_dim)``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -229,6 +229,11 @@ class Variant:
 
     def check_config(self) -> None:
         """Cross-parameter validation hook (raise :class:`VariantParameterError`)."""
+
+    @classmethod
+    def check_state(cls, state: Mapping[str, Any]) -> None:
+        """Validation hook for the ``state`` the variant persists in config.json (``call.state``), run when a model
+        is loaded: raise ``ValueError`` naming the key when a value is not what ``attend`` reads. Default: any."""
 
     def __getattr__(self, item: str) -> Any:
         config = self.__dict__.get("config")

@@ -30,6 +30,30 @@ NORMAL = {"lengths": DEFAULT_LENGTHS, "repeats": 3, "warmup": 1, "error_length":
           "max_seconds": 120.0}
 
 
+def number(kind: type, low: float, high: float | None = None, what: str = ""):
+    """An argparse ``type`` accepting a ``kind`` number in [low, high) (``high`` None: no upper bound); argparse
+    turns a refusal into ``argument --flag: ...`` and exit status 2 before anything runs."""
+    word = {int: "an integer", float: "a number"}[kind]
+    bounds = f">= {low:g}" if high is None else f"in [{low:g}, {high:g})"
+    expected = f"{word} {bounds}{what}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not (value >= low and (high is None or value < high)):  # also refuses nan
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
+        return value
+
+    parse.__name__ = f"{kind.__name__} {bounds}"  # argparse names the type in some messages
+    return parse
+
+
+POSITIVE = number(int, 1)
+SECONDS = number(float, 1e-9, what=" (seconds)")
+
+
 def add_flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
     """``--name_with_underscores``, with ``--name-with-hyphens`` accepted as an alias."""
     flags = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
@@ -48,34 +72,34 @@ def add_subcommand(subparsers) -> None:
     add_flag(p, "variants", nargs="+", help="variants and peers to run (default: all registered + peers)")
     add_flag(p, "variant_params", nargs="+", default=[], metavar="NAME.KEY=VALUE",
              help="override a parameter, e.g. longformer.window=256 hf_bigbird.num_random_blocks=2")
-    add_flag(p, "lengths", nargs="+", type=int, help=f"sequence lengths (default {DEFAULT_LENGTHS})")
+    add_flag(p, "lengths", nargs="+", type=POSITIVE, help=f"sequence lengths (default {DEFAULT_LENGTHS})")
     # the measured layer
-    add_flag(p, "hidden", type=int, help="hidden size (default 768; --decode: 256)")
-    add_flag(p, "heads", type=int, help="attention heads (default 12; --decode: 4)")
-    add_flag(p, "batch", type=int, default=1)
+    add_flag(p, "hidden", type=POSITIVE, help="hidden size (default 768; --decode: 256)")
+    add_flag(p, "heads", type=POSITIVE, help="attention heads (default 12; --decode: 4)")
+    add_flag(p, "batch", type=POSITIVE, default=1)
     add_flag(p, "dtype", choices=sorted(DTYPES), default="fp32")
     add_flag(p, "mode", choices=["fwd", "fwd+bwd"], default="fwd+bwd")
     add_flag(p, "causal", action="store_true", help="causal attention (the transformers peers are skipped)")
-    add_flag(p, "dropout", type=float, default=0.0, metavar="P",
+    add_flag(p, "dropout", type=number(float, 0.0, 1.0), default=0.0, metavar="P",
              help="attention dropout P: the layer runs in training mode; contestants without dropout are "
              "skipped with a note (default 0)")
     # how it is measured
     add_flag(p, "device", choices=["cpu", "cuda"], default="cpu")
-    add_flag(p, "threads", type=int, default=None, help="torch threads (default: torch's default here)")
-    add_flag(p, "repeats", type=int, help="timed iterations per measurement (default 3; quick 1)")
-    add_flag(p, "warmup", type=int, help="untimed iterations first (default 1)")
-    add_flag(p, "max_seconds", type=float,
+    add_flag(p, "threads", type=POSITIVE, default=None, help="torch threads (default: torch's default here)")
+    add_flag(p, "repeats", type=POSITIVE, help="timed iterations per measurement (default 3; quick 1)")
+    add_flag(p, "warmup", type=number(int, 0), help="untimed iterations first (default 1)")
+    add_flag(p, "max_seconds", type=SECONDS,
              help="skip a combination whose estimated time for one iteration exceeds this (default 120)")
-    add_flag(p, "error_length", type=int, help="n at which the error against dense is measured (default 1024)")
-    add_flag(p, "roof_size", type=int, help="size of the square matmul measuring the roof (default 2048)")
+    add_flag(p, "error_length", type=POSITIVE, help="n at which the error against dense is measured (default 1024)")
+    add_flag(p, "roof_size", type=POSITIVE, help="size of the square matmul measuring the roof (default 2048)")
     add_flag(p, "quick", action="store_true", help="n in {512, 1024}, one repeat: under a minute")
     # decoding
     add_flag(p, "decode", action="store_true",
              help="measure per-token decode latency and cache bytes of a tiny Llama through model.generate "
              f"against the prompt length (default lengths {DECODE_LENGTHS}), with transformers' SDPA and Mistral "
              "sliding-window caches as peers")
-    add_flag(p, "new_tokens", type=int, default=32, help="--decode: tokens generated per measurement (default 32)")
-    add_flag(p, "window", type=int, default=512,
+    add_flag(p, "new_tokens", type=number(int, 3, what=" (gaps between tokens are timed)"), default=32, help="--decode: tokens generated per measurement (default 32)")
+    add_flag(p, "window", type=POSITIVE, default=512,
              help="--decode: keys a windowed contestant keeps (Mistral sliding_window, xformers window, causal "
              "longformer window/2 + 4 sink tokens; default 512)")
     # output
@@ -84,12 +108,17 @@ def add_subcommand(subparsers) -> None:
     p.set_defaults(func=cmd_bench)
 
 
+def given(value, default):
+    """The flag's value when it was given (0 included: the flag types refuse what cannot run), else the default."""
+    return default if value is None else value
+
+
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     preset = QUICK if args.quick else NORMAL
     pick = {key: getattr(args, key) if getattr(args, key) is not None else preset[key] for key in preset}
     return BenchSettings(
-        hidden=args.hidden or 768, heads=args.heads or 12, batch=args.batch, dtype=args.dtype, mode=args.mode,
-        causal=args.causal, device=args.device, threads=args.threads or torch.get_num_threads(),
+        hidden=given(args.hidden, 768), heads=given(args.heads, 12), batch=args.batch, dtype=args.dtype,
+        mode=args.mode, causal=args.causal, device=args.device, threads=given(args.threads, torch.get_num_threads()),
         dropout=args.dropout, **pick,
     )
 
@@ -103,7 +132,8 @@ def command_line(settings: BenchSettings, args: argparse.Namespace) -> str:
     parts.append(f"--hidden {settings.hidden} --heads {settings.heads} --batch {settings.batch}")
     parts.append(f"--dtype {settings.dtype} --mode {settings.mode} --device {settings.device}")
     parts.append(f"--threads {settings.threads} --repeats {settings.repeats} --warmup {settings.warmup}")
-    parts.append(f"--max_seconds {settings.max_seconds:g} --error_length {settings.error_length}")
+    parts.append(f"--max_seconds {settings.max_seconds:g} --error_length {settings.error_length} "
+                 f"--roof_size {settings.roof_size}")
     if settings.causal:
         parts.append("--causal")
     if settings.dropout:
@@ -116,11 +146,12 @@ def command_line(settings: BenchSettings, args: argparse.Namespace) -> str:
 
 def decode_settings_from_args(args: argparse.Namespace) -> DecodeSettings:
     defaults = DecodeSettings()
+    heads = given(args.heads, defaults.heads)
     return DecodeSettings(
-        lengths=args.lengths or ([512, 1024] if args.quick else defaults.lengths), new_tokens=args.new_tokens,
-        window=args.window, hidden=args.hidden or defaults.hidden, heads=args.heads or defaults.heads,
-        kv_heads=min(defaults.kv_heads, args.heads or defaults.heads), batch=args.batch, device=args.device,
-        threads=args.threads or torch.get_num_threads(), max_seconds=args.max_seconds or defaults.max_seconds,
+        lengths=given(args.lengths, [512, 1024] if args.quick else defaults.lengths), new_tokens=args.new_tokens,
+        window=args.window, hidden=given(args.hidden, defaults.hidden), heads=heads,
+        kv_heads=min(defaults.kv_heads, heads), batch=args.batch, device=args.device,
+        threads=given(args.threads, torch.get_num_threads()), max_seconds=given(args.max_seconds, defaults.max_seconds),
     )
 
 

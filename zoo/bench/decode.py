@@ -111,7 +111,8 @@ def decode_contestants(names: list[str] | None, settings: DecodeSettings) -> lis
 # one measurement (runs in its own process)
 
 
-def build_model(contestant: DecodeContestant, settings: DecodeSettings, n: int):
+def model_config(contestant: DecodeContestant, settings: DecodeSettings, n: int):
+    """The tiny Llama's (or Mistral's) config, configured with the contestant's variant."""
     import transformers
 
     import zoo
@@ -130,8 +131,30 @@ def build_model(contestant: DecodeContestant, settings: DecodeSettings, n: int):
         config._attn_implementation = "sdpa"
         if contestant.variant is not None:
             zoo.configure(config, contestant.variant, **contestant.params)
+    return config
+
+
+def build_model(contestant: DecodeContestant, settings: DecodeSettings, n: int):
+    import transformers
+
+    config = model_config(contestant, settings, n)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def cache_refusal(contestant: DecodeContestant, settings: DecodeSettings) -> str | None:
+    """The reason a variant documents for not decoding with a cache (its ``cache_layer`` refuses), else None:
+    a design choice the table shows as skipped, not as a failure."""
+    if contestant.variant is None:
+        return None
+    import zoo
+
+    config = model_config(contestant, settings, min(settings.lengths))
+    try:
+        zoo.variant_for(config).cache_layer(0, config)
+    except ValueError as exc:
+        return str(exc).split(". ", 1)[0].removeprefix(f"attention-zoo variant {contestant.variant!r} ")
+    return None
 
 
 def tensor_bytes(obj: Any, seen: set[int] | None = None) -> int:
@@ -201,13 +224,15 @@ def run_decode_benchmark(settings: DecodeSettings, contestants: list[DecodeConte
     runner = Runner(settings, [])
     runner.run(measure_idle, timeout=120)  # starts the forkserver before anything is timed
     histories = {c.name: History() for c in contestants}
+    refusals = {c.name: cache_refusal(c, settings) for c in contestants}
     rows = []
     bar = tqdm(total=len(contestants) * len(settings.lengths), disable=not progress, desc="zoo bench --decode")
     for n in settings.lengths:
         for contestant in contestants:
             bar.set_postfix_str(f"{contestant.name} n={n}")
             history = histories[contestant.name]
-            note = _skip_note(contestant, settings, n, history)
+            refusal = refusals[contestant.name]
+            note = f"skipped: {refusal}" if refusal else _skip_note(contestant, settings, n, history)
             if note:
                 rows.append(_row(contestant, n, status="skipped", note=note))
             else:

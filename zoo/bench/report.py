@@ -23,6 +23,8 @@ from zoo.bench.plan import FIT_FROM, fit_exponent
 from zoo.reporting import MB, fixed, human_bytes, markdown_table, pyplot, save_figure, write_csv
 
 WALL_LENGTHS = [512, 2048, 8192, 32768]
+# A slope through two points fits them exactly whatever the noise; three lengths at least make it a measurement.
+MIN_FIT_LENGTHS = 3
 CSV_FIELDS = [
     "variant", "kind", "n", "status", "note", "time_s", "time_min_s", "repeats", "mem_mb", "peak_mb", "gflop",
     "gflop_per_s", "roof_pct", "speedup_vs_sdpa", "mem_vs_sdpa", "peer", "speedup_vs_peer", "mem_vs_peer",
@@ -101,6 +103,8 @@ def assemble_report(settings, contestants, rows, errors, roof, baseline) -> dict
     variants = {}
     for c in contestants:
         ok = [r for r in rows if r["variant"] == c.name and r["status"] == "ok"]
+        if len({r["n"] for r in ok}) < MIN_FIT_LENGTHS:
+            ok = []  # too few lengths: no exponent (the report says why)
         variants[c.name] = {
             **describe_contestant(c, contestants),
             "time_exponent": fit_exponent([r["n"] for r in ok], [r["time_s"] for r in ok]),
@@ -237,8 +241,17 @@ def _summary_table(report) -> list[str]:
     return markdown_table(header, lines)
 
 
+def _wall_measured(report) -> bool:
+    """Some contestant was measured at two or more of the wall's lengths (else the table compares nothing)."""
+    ok = {(r["variant"], r["n"]) for r in report["rows"] if r["status"] == "ok"}
+    return any(sum((name, n) in ok for n in WALL_LENGTHS) >= 2 for name in report["variants"])
+
+
 def _wall_table(report) -> list[str]:
     """The seed's table: attention-matrix size and theoretical O(n²) cost beside measured relative cost."""
+    if not _wall_measured(report):
+        return [f"Omitted: no contestant was measured at two of n = {', '.join(map(str, WALL_LENGTHS))} "
+                "(run without --quick, or pass those --lengths)."]
     heads = report["settings"]["heads"]
     base = WALL_LENGTHS[0]
     lines = [
@@ -277,6 +290,11 @@ def layer_description(s: dict[str, Any]) -> str:
     )
 
 
+def _fit_note(report) -> str:
+    lengths = len({r["n"] for r in report["rows"]})
+    return f": this run measured {lengths}, so the exponents are omitted" if lengths < MIN_FIT_LENGTHS else ""
+
+
 def render_markdown(report: dict[str, Any], command: str) -> str:
     s, m = report["settings"], report["machine"]
     roof = report["roof_gflop_per_s"]
@@ -308,7 +326,7 @@ def render_markdown(report: dict[str, Any], command: str) -> str:
         ("Against the matching peer (speed = peer time / variant time, above 1 is faster; memory = variant / peer)",
          _peer_pairs_table(report)),
         (f"Per variant (exponents fitted on log-log over n >= {FIT_FROM} when two such lengths were measured, else "
-         f"all; error: relative Frobenius error at n={s['error_length']}{error_mode} against softmax attention "
+         f"all; none from fewer than {MIN_FIT_LENGTHS} lengths, which any slope fits{_fit_note(report)}; error: relative Frobenius error at n={s['error_length']}{error_mode} against softmax attention "
          f"restricted to the pattern, or full softmax for approximate variants)", _summary_table(report)),
         ("The O(n²) wall (measured values relative to each variant's own at the first length)",
          _wall_table(report)),
