@@ -56,8 +56,14 @@ def test_quick_writes_every_output(quick_run):
         assert (quick_run / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     markdown = (quick_run / "bench.md").read_text()
     for section in ("## Time (s)", "## Peak memory", "## Against sdpa", "## Against the matching peer",
-                    "## The O(n²) wall", "theoretical relative cost"):
+                    "## The O(n²) wall"):
         assert section in markdown
+    # Two single-repeat lengths: no exponents (any slope fits two points), no wall table; the report says why.
+    assert "this run measured 2, so the exponents are omitted" in markdown
+    assert "Omitted: no contestant was measured at two of n = 512, 2048" in markdown
+    assert "theoretical relative cost" not in markdown
+    report = json.loads((quick_run / "bench.json").read_text())
+    assert all(info["time_exponent"] is None for info in report["variants"].values())
 
 
 def test_quick_covers_every_registered_variant_and_installed_peer(quick_run):
@@ -132,6 +138,27 @@ def test_failing_variants_are_recorded_and_budget_skips_are_noted(tmp_path):
         assert (tmp_path / name).exists()
 
 
+def _synthetic_report(lengths):
+    from zoo.bench.report import assemble_report
+
+    settings = bench.BenchSettings(lengths=lengths)
+    contestants = bench.make_contestants(["sdpa"], {})
+    rows = [{"variant": "sdpa", "n": n, "status": "ok", "note": "", "time_s": 1e-8 * n * n, "mem_mb": 1e-5 * n * n,
+             "gflop_per_s": 1.0} for n in lengths]
+    return assemble_report(settings, contestants, rows, {}, {"status": "error", "error": "not measured"}, 0)
+
+
+def test_exponents_and_the_wall_need_enough_lengths():
+    from zoo.bench.report import render_markdown
+
+    few, enough = _synthetic_report([512, 1024]), _synthetic_report([512, 1024, 2048])
+    assert few["variants"]["sdpa"]["time_exponent"] is None
+    assert enough["variants"]["sdpa"]["time_exponent"] == pytest.approx(2.0)
+    assert "theoretical relative cost" not in render_markdown(few, "zoo bench")
+    text = render_markdown(enough, "zoo bench")
+    assert "theoretical relative cost" in text and "time 16.0x" in text and "exponents are omitted" not in text
+
+
 def test_fit_exponent_on_synthetic_numbers():
     lengths = [512, 1024, 2048, 4096, 8192, 16384, 32768]
     assert bench.fit_exponent(lengths, [3e-9 * n**2 for n in lengths]) == pytest.approx(2.0)
@@ -191,9 +218,38 @@ def test_bad_input_gives_a_clear_error(capsys, tmp_path):
     assert "unknown variant or peer 'no_such_variant'" in capsys.readouterr().err
     assert main(["bench", "--variant_params", "dense.nope=1", "--output_dir", str(tmp_path)]) == 2
     assert "no parameter 'nope'" in capsys.readouterr().err
-    assert main(["bench", "--dropout", "1.5", "--output_dir", str(tmp_path)]) == 2
-    assert "--dropout is a probability in [0, 1), got 1.5" in capsys.readouterr().err
     assert not (tmp_path / "bench.csv").exists()
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--heads", "0"], ["--batch", "0"], ["--threads", "-1"], ["--threads", "0"], ["--hidden", "0"],
+        ["--lengths", "512", "0"], ["--repeats", "0"], ["--warmup", "-1"], ["--max_seconds", "0"],
+        ["--max_seconds", "nan"], ["--error_length", "0"], ["--roof_size", "-5"], ["--dropout", "1.5"],
+        ["--dropout", "-0.1"], ["--heads", "two"], ["--decode", "--new_tokens", "2"], ["--decode", "--window", "0"],
+        ["--decode", "--heads", "0"],
+    ],
+)
+def test_every_numeric_flag_is_validated_naming_the_flag(flags, capsys, tmp_path):
+    """Refused by argparse (exit status 2) before anything runs: `--heads 0` used to exit 0 and record 12."""
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", *flags, "--output_dir", str(tmp_path)])
+    assert exited.value.code == 2
+    flag = next(f for f in reversed(flags) if f.startswith("--"))
+    assert f"argument {flag}" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_report_command_spells_out_the_settings_used():
+    from zoo.bench.cli import command_line, settings_from_args
+
+    args = build_parser().parse_args(["bench", "--heads", "4", "--hidden", "64", "--threads", "1", "--roof_size", "256"])
+    args.output_dir = "out"
+    settings = settings_from_args(args)
+    assert (settings.heads, settings.hidden, settings.threads, settings.roof_size) == (4, 64, 1, 256)
+    command = command_line(settings, args)
+    assert "--hidden 64 --heads 4" in command and "--threads 1" in command and "--roof_size 256" in command
 
 
 @pytest.mark.parametrize("name", ["hf_longformer", "local_attention", "hf_bigbird", "performer_pytorch"])
@@ -323,3 +379,15 @@ def test_decode_cli_refuses_a_variant_without_causal_support_and_writes_reports(
     text = (tmp_path / "decode.md").read_text()
     assert "Milliseconds per generated token" in text and "vs transformers_sdpa" in text
     assert (tmp_path / "decode_ms_per_token.png").stat().st_size > 0
+
+
+def test_decode_shows_a_documented_refusal_as_skipped_with_its_reason():
+    """reformer refuses a KV cache by design: that is a skip with the reason, not an error."""
+    from zoo.bench.decode import DecodeContestant, DecodeSettings, decode_params, run_decode_benchmark
+
+    settings = DecodeSettings(lengths=[40], new_tokens=3, hidden=32, heads=2, kv_heads=1)
+    reformer = DecodeContestant("reformer", "zoo", "reformer", decode_params("reformer", settings.window))
+    report = run_decode_benchmark(settings, [reformer], progress=False)
+    (row,) = report["rows"]
+    assert row["status"] == "skipped"
+    assert row["note"].startswith("skipped: cannot decode with a KV cache: its keys are the queries")
