@@ -244,7 +244,8 @@ def test_every_numeric_flag_is_validated_naming_the_flag(flags, capsys, tmp_path
 def test_the_report_command_spells_out_the_settings_used():
     from zoo.bench.cli import command_line, settings_from_args
 
-    args = build_parser().parse_args(["bench", "--heads", "4", "--hidden", "64", "--threads", "1", "--roof_size", "256"])
+    flags = ["--heads", "4", "--hidden", "64", "--threads", "1", "--roof_size", "256"]
+    args = build_parser().parse_args(["bench", *flags])
     args.output_dir = "out"
     settings = settings_from_args(args)
     assert (settings.heads, settings.hidden, settings.threads, settings.roof_size) == (4, 64, 1, 256)

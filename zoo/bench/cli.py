@@ -98,7 +98,8 @@ def add_subcommand(subparsers) -> None:
              help="measure per-token decode latency and cache bytes of a tiny Llama through model.generate "
              f"against the prompt length (default lengths {DECODE_LENGTHS}), with transformers' SDPA and Mistral "
              "sliding-window caches as peers")
-    add_flag(p, "new_tokens", type=number(int, 3, what=" (gaps between tokens are timed)"), default=32, help="--decode: tokens generated per measurement (default 32)")
+    add_flag(p, "new_tokens", type=number(int, 3, what=" (gaps between tokens are timed)"), default=32,
+             help="--decode: tokens generated per measurement (default 32)")
     add_flag(p, "window", type=POSITIVE, default=512,
              help="--decode: keys a windowed contestant keeps (Mistral sliding_window, xformers window, causal "
              "longformer window/2 + 4 sink tokens; default 512)")

@@ -326,7 +326,8 @@ def render_markdown(report: dict[str, Any], command: str) -> str:
         ("Against the matching peer (speed = peer time / variant time, above 1 is faster; memory = variant / peer)",
          _peer_pairs_table(report)),
         (f"Per variant (exponents fitted on log-log over n >= {FIT_FROM} when two such lengths were measured, else "
-         f"all; none from fewer than {MIN_FIT_LENGTHS} lengths, which any slope fits{_fit_note(report)}; error: relative Frobenius error at n={s['error_length']}{error_mode} against softmax attention "
+         f"all; none from fewer than {MIN_FIT_LENGTHS} lengths, which any slope fits{_fit_note(report)}; error: "
+         f"relative Frobenius error at n={s['error_length']}{error_mode} against softmax attention "
          f"restricted to the pattern, or full softmax for approximate variants)", _summary_table(report)),
         ("The O(n²) wall (measured values relative to each variant's own at the first length)",
          _wall_table(report)),
