@@ -291,9 +291,23 @@ def test_dry_run_lists_every_file_and_the_card_without_network(output_dir, capsy
         assert any(line.endswith(f"  {name}") and f"{size:,} B" in line for line in out.splitlines()), name
     assert f"{len(expected)} files" in out
     assert "library_name: transformers" in out and "model-index:" in out and "- attention-zoo" in out
-    assert "/someone/name (public, branch main)" in out
+    assert "/someone/name (private, branch main)" in out  # private by default, like the recipes
     assert FAKE_TOKEN not in out + err + caplog.text
     assert snapshot(output_dir) == before
+
+
+def test_public_is_asked_for_explicitly(output_dir, capsys):
+    assert zoo_main(["push", str(output_dir), "--repo-id", "someone/name", "--dry-run", "--public"]) == 0
+    assert "/someone/name (public, branch main)" in capsys.readouterr().out
+
+
+def test_push_and_recipes_default_to_private():
+    import inspect
+
+    from zoo.train import FinetuneConfig
+
+    assert inspect.signature(push_folder).parameters["private"].default is True
+    assert FinetuneConfig.hub_private is True
 
 
 def test_dry_run_previews_a_missing_card_without_writing_it(output_dir, tmp_path, capsys):

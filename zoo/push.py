@@ -163,7 +163,7 @@ def _load_card(path: Path) -> ModelCard:
 def push_folder(
     folder: str | Path,
     repo_id: str,
-    private: bool = False,
+    private: bool = True,
     revision: str | None = None,
     commit_message: str | None = None,
     token: str | None = None,
@@ -261,7 +261,10 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("output_dir", type=Path, help="output_dir of a zoo fine-tune (config.json with the variant)")
     p.add_argument("--repo-id", required=True, metavar="ORG/NAME", help="Hub model repo, created if missing")
-    p.add_argument("--private", action="store_true", help="create the repo private")
+    visibility = p.add_mutually_exclusive_group()
+    visibility.add_argument("--private", dest="private", action="store_true", default=True,
+                            help="create the repo private (the default, as the recipes' hub_private: true)")
+    visibility.add_argument("--public", dest="private", action="store_false", help="create the repo public")
     p.add_argument("--revision", help="branch to push to, created if missing (default: main)")
     p.add_argument("--commit-message", help="commit message (default names the model type and variant)")
     p.add_argument("--dry-run", action="store_true", help="print the files and card metadata; no network, no writes")
