@@ -26,6 +26,14 @@ Patched symbols (verified on transformers 5.24; the parameters each wrapper reli
   the model's ``_init_weights`` (no hook for per-module initialisation of foreign submodules), and its
   "newly initialized" report is told to skip them (``_keys_to_ignore_on_load_missing``).
 
+Private symbols and calling conventions used elsewhere (``PRIVATE_USES``, each with a canary in
+``tests/test_patches.py`` that fails naming the library version and the file to update): ``_is_hf_initialized``
+and ``_keys_to_ignore_on_load_missing`` (:mod:`zoo.weights`, through :func:`mark_initialized`, :func:`was_loaded`,
+:func:`ignore_missing_keys`), ``_can_record_outputs`` (:func:`declared_attention_classes`: the attention modules a
+family declares, instead of searching ``forward``'s source), Longformer's ``_compute_global_attention_mask``
+(:mod:`zoo.convert`), ``cache.update(..., kwargs=attention_kwargs)`` (:mod:`zoo.cache`), and accelerate's shared
+state plus the Trainer's FSDP hooks (:mod:`zoo.distributed`).
+
 Rules every patch follows:
 
 * the wrapper passes ``*args, **kwargs`` through unchanged (``functools.wraps``) and binds the arguments it
@@ -39,12 +47,14 @@ Rules every patch follows:
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import transformers
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 
@@ -175,3 +185,92 @@ def apply(
         _wrap(POST_INIT, run_after(model_built))
     if checkpoint_loaded is not None:
         _wrap(INITIALIZE_MISSING_KEYS, run_after(checkpoint_loaded))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Private symbols and calling conventions relied on outside the patches. The accessors below are the only code
+# of the package that names them; each has a canary in PRIVATE_USES that checks the behaviour on a tiny model.
+
+INITIALIZED_FLAG = "_is_hf_initialized"  # transformers' init skips modules flagged so; loading flags what it loaded
+ATTENTION_OUTPUTS = ("attentions", "cross_attentions")
+
+
+def mark_initialized(module: torch.nn.Module) -> None:
+    """transformers' weight init (``post_init``, ``_initialize_missing_keys``) must not redraw ``module``."""
+    for part in module.modules():
+        setattr(part, INITIALIZED_FLAG, True)
+
+
+def was_loaded(tensor: torch.Tensor) -> bool:
+    """True for a parameter or buffer ``from_pretrained`` filled from the checkpoint."""
+    return bool(getattr(tensor, INITIALIZED_FLAG, False))
+
+
+def ignore_missing_keys(model: PreTrainedModel, pattern: str) -> None:
+    """Keep keys matching the regex ``pattern`` out of transformers' "newly initialized" loading report."""
+    ignored = getattr(model, "_keys_to_ignore_on_load_missing", None)
+    model._keys_to_ignore_on_load_missing = {*(ignored or ()), pattern}
+
+
+def declared_attention_classes(model: torch.nn.Module) -> tuple[set[type], set[str]]:
+    """The attention module classes (and class names) the model's families declare in ``_can_record_outputs``
+    (what ``output_attentions`` records from): the declared, not parsed, list of attention modules."""
+    classes: set[type] = set()
+    names: set[str] = set()
+    owners = {type(m) for m in model.modules() if isinstance(m, PreTrainedModel)}
+    for owner in owners:
+        declared = getattr(owner, "_can_record_outputs", None) or {}
+        for key in ATTENTION_OUTPUTS:
+            entries = declared.get(key, [])
+            for entry in entries if isinstance(entries, (list, tuple)) else [entries]:
+                target = getattr(entry, "target_class", None) or entry
+                if isinstance(target, type):
+                    classes.add(target)
+                elif isinstance(target, str) or getattr(entry, "class_name", None):
+                    names.add(getattr(entry, "class_name", None) or target)
+    return classes, names
+
+
+def calls_attention_interface(cls: type) -> bool:
+    """Fallback for a family that declares no attention outputs: its ``forward`` dispatches through
+    ``ALL_ATTENTION_FUNCTIONS`` (the source heuristic transformers itself uses in ``_can_set_attn_implementation``)."""
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+
+
+def compute_global_attention_mask(input_ids: torch.Tensor, sep_token_id: int, before_sep: bool = True):
+    """transformers' Longformer task models' default global attention (private there; :mod:`zoo.convert`)."""
+    from transformers.models.longformer import modeling_longformer
+
+    return modeling_longformer._compute_global_attention_mask(input_ids, sep_token_id, before_sep)
+
+
+@dataclass(frozen=True)
+class PrivateUse:
+    """A private symbol or calling convention the package relies on, and the file that relies on it."""
+
+    library: str  # "transformers" or "accelerate"
+    symbol: str
+    used_in: str
+
+    def outdated(self, what: str) -> str:
+        """The canary's message when the behaviour changed: the library version and the file to update."""
+        version = importlib.metadata.version(self.library)
+        verified = VERIFIED_ON if self.library == "transformers" else ACCELERATE_VERIFIED_ON
+        return (f"{self.library} {version} (attention-zoo verified {self.symbol} on {verified}): {what}. "
+                f"Update {self.used_in} and zoo/_patches.py.")
+
+
+ACCELERATE_VERIFIED_ON = "1.15"
+PRIVATE_USES = (
+    PrivateUse("transformers", "PreTrainedModel._is_hf_initialized (modules and tensors)", "zoo/weights.py"),
+    PrivateUse("transformers", "PreTrainedModel._keys_to_ignore_on_load_missing", "zoo/weights.py"),
+    PrivateUse("transformers", "PreTrainedModel._can_record_outputs['attentions']", "zoo/weights.py"),
+    PrivateUse("transformers", "modeling_longformer._compute_global_attention_mask", "zoo/convert.py"),
+    PrivateUse("transformers", "Cache.update(k, v, layer_idx, kwargs=attention_kwargs)", "zoo/cache.py"),
+    PrivateUse("accelerate", "PartialState._shared_state / AcceleratorState._shared_state", "zoo/distributed.py"),
+    PrivateUse("transformers", "Trainer.create_accelerator_and_postprocess / is_fsdp_enabled / "
+               "TrainingArguments.fsdp_plugin_args", "zoo/distributed.py"),
+)

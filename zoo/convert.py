@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import transformers
 from transformers import PreTrainedModel
-from transformers.models.longformer.modeling_longformer import _compute_global_attention_mask
 
+from zoo._patches import compute_global_attention_mask
 from zoo.hf import configure
 from zoo.weights import WEIGHTS_NAME
 
@@ -117,9 +117,9 @@ def longformer_global_attention_mask(model: PreTrainedModel, input_ids: torch.Te
     ``input_ids`` (batch, choices, seq)), the ``<s>`` token (sequence classification), else None."""
     sep = model.config.sep_token_id
     if isinstance(model, transformers.RobertaForQuestionAnswering):
-        return _compute_global_attention_mask(input_ids, sep)
+        return compute_global_attention_mask(input_ids, sep)
     if isinstance(model, transformers.RobertaForMultipleChoice):
-        choices = [_compute_global_attention_mask(input_ids[:, i], sep, False) for i in range(input_ids.shape[1])]
+        choices = [compute_global_attention_mask(input_ids[:, i], sep, False) for i in range(input_ids.shape[1])]
         return torch.stack(choices, dim=1)
     if isinstance(model, transformers.RobertaForSequenceClassification):
         mask = torch.zeros_like(input_ids)

@@ -10,15 +10,14 @@ Initialisation is deterministic: a layer's module is what ``make_module`` builds
 after ``torch.manual_seed(seed_for(variant, layer))``, so two processes (or a checkpoint that lacks the
 weights, see :func:`initialize_missing`) get the same values without touching the global random state.
 
-Attention modules are found the way transformers itself tells whether a model can switch implementation
-(``PreTrainedModel._can_set_attn_implementation``): their class's ``forward`` goes through
-``ALL_ATTENTION_FUNCTIONS``. Each module has a ``config`` (the plug reads ``module.config`` too).
+Attention modules are the classes the model family declares as recording ``attentions`` (what
+``output_attentions`` hooks), found by :func:`zoo._patches.declared_attention_classes`. Each module has a ``config``
+(the plug reads ``module.config`` too). Every private transformers symbol used here is in :mod:`zoo._patches`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import re
 import zlib
@@ -27,6 +26,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from zoo import _patches
 from zoo.variant import Variant
 
 logger = logging.getLogger(__name__)
@@ -35,30 +35,25 @@ WEIGHTS_NAME = "attention_zoo"
 # transformers reports missing keys matching these as "newly initialized"; we report ours in one line instead.
 MISSING_KEYS_PATTERN = rf"\.{WEIGHTS_NAME}\."
 
-_interface_classes: dict[type, bool] = {}
-
-
-def is_attention_module(module: nn.Module) -> bool:
-    """True for modules whose class computes attention through transformers' attention interface."""
-    cls = type(module)
-    if cls not in _interface_classes:
-        try:
-            source = inspect.getsource(cls.forward)
-        except (OSError, TypeError):
-            source = ""
-        _interface_classes[cls] = "ALL_ATTENTION_FUNCTIONS" in source
-    return _interface_classes[cls] and hasattr(module, "config")
-
-
 def attention_modules(model: nn.Module) -> Iterator[tuple[str, int, nn.Module]]:
     """``(qualified name, layer index, module)`` of every attention module, in model order.
 
+    The attention modules are those the model family declares (:func:`zoo._patches.declared_attention_classes`);
+    for a family that declares none, those whose ``forward`` calls the attention interface.
     The layer index is the module's ``layer_idx`` when the model sets one, else its rank in model order (which is
     also recorded on the module, so the plug's :func:`zoo.hf._layer_index` agrees with it).
     """
+    classes, names = _patches.declared_attention_classes(model)
+
+    def is_attention(module: nn.Module) -> bool:
+        cls = type(module)
+        if classes or names:
+            return cls in classes or cls.__name__ in names
+        return _patches.calls_attention_interface(cls)
+
     rank = 0
     for name, module in model.named_modules():
-        if not is_attention_module(module):
+        if not (is_attention(module) and hasattr(module, "config")):
             continue
         idx = getattr(module, "layer_idx", None)
         if idx is None:
@@ -143,8 +138,7 @@ def attach(model: nn.Module, variant_of, replace: bool = False) -> int:
             weights = weights.to(device=device, dtype=reference.dtype if reference.is_floating_point() else None)
         if device.type != "meta":
             _initialize_from(weights, module)
-        for part in weights.modules():  # transformers' own init must not redraw them (see initialize_missing)
-            part._is_hf_initialized = True
+        _patches.mark_initialized(weights)  # transformers' own init must not redraw them (see initialize_missing)
         module.add_module(WEIGHTS_NAME, weights)
         if getattr(weights, "needs_hidden_states", False) and not getattr(module, "_attention_zoo_hooks", False):
             module.register_forward_pre_hook(_keep_hidden_states, with_kwargs=True)
@@ -152,8 +146,7 @@ def attach(model: nn.Module, variant_of, replace: bool = False) -> int:
             module._attention_zoo_hooks = True
         made += 1
     if made:
-        ignored = getattr(model, "_keys_to_ignore_on_load_missing", None)
-        model._keys_to_ignore_on_load_missing = {*(ignored or ()), MISSING_KEYS_PATTERN}
+        _patches.ignore_missing_keys(model, MISSING_KEYS_PATTERN)
     return made
 
 
@@ -183,7 +176,7 @@ def _drop_hidden_states(module: nn.Module, args: tuple, output) -> None:
 def initialize_missing(model: nn.Module, variant_of) -> list[str]:
     """After a checkpoint was loaded: give the zoo weights it lacked their deterministic values; log them once.
 
-    transformers marks what it loaded with ``_is_hf_initialized``; every other parameter or buffer of a zoo
+    transformers marks what it loaded (:func:`zoo._patches.was_loaded`); every other parameter or buffer of a zoo
     weights module is rebuilt with :func:`build_for` and copied in. Returns the missing state-dict keys.
     """
     if not any(WEIGHTS_NAME in m._modules for m in model.modules()):
@@ -195,7 +188,7 @@ def initialize_missing(model: nn.Module, variant_of) -> list[str]:
         if weights is None or variant is None:
             continue
         tensors = weights.state_dict(keep_vars=True)
-        todo = [key for key, t in tensors.items() if not getattr(t, "_is_hf_initialized", False)]
+        todo = [key for key, t in tensors.items() if not _patches.was_loaded(t)]
         if not todo:
             continue
         fresh = build_for(variant, module, idx)

@@ -23,6 +23,7 @@ from zoo.bench.plan import FIT_FROM, fit_exponent
 from zoo.reporting import MB, fixed, human_bytes, markdown_table, pyplot, save_figure, write_csv
 
 WALL_LENGTHS = [512, 2048, 8192, 32768]
+MARKERS = "os^vD<>phX*"
 # A slope through two points fits them exactly whatever the noise; three lengths at least make it a measurement.
 MIN_FIT_LENGTHS = 3
 CSV_FIELDS = [
@@ -173,8 +174,9 @@ def plot_against_n(rows: list[dict[str, Any]], styles: dict[str, str], key: str,
     for i, (name, style) in enumerate(styles.items()):
         ok = [r for r in rows if r["variant"] == name and r["status"] == "ok" and r[key] > 0]
         if ok:
-            ax.plot([r["n"] for r in ok], [r[key] for r in ok], style, marker="o", markersize=3, label=name,
-                    color=colors[i % len(colors)])
+            # a marker of its own per line: lines that coincide (equal cache bytes) stay distinguishable
+            ax.plot([r["n"] for r in ok], [r[key] for r in ok], style, marker=MARKERS[i % len(MARKERS)],
+                    markersize=7 - 3 * (i % 2), markerfacecolor="none", label=name, color=colors[i % len(colors)])
             lowest.append(min(r[key] for r in ok if r["n"] == ok[0]["n"]))
     if lowest and len(lengths) > 1:  # guides: how O(n) and O(n²) would grow from the lowest first point
         start = min(lowest)
@@ -362,5 +364,5 @@ def write_outputs(report: dict[str, Any], output_dir: Path, command: str) -> dic
     paths["json"].write_text(json.dumps({**report, "command": command}, indent=2, default=str))
     paths["markdown"].write_text(render_markdown(report, command))
     plot(report, "time_s", "time (s)", paths["time_plot"])
-    plot(report, "mem_mb", "peak memory (MB)", paths["memory_plot"])
+    plot(report, "mem_mb", "peak memory above an idle process (MB)", paths["memory_plot"])
     return paths
