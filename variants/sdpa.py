@@ -15,6 +15,7 @@ from zoo.variant import AttentionCall, Variant
 class SDPAAttention(Variant):
     name = "sdpa"
     exact = True
+    supports_cross_attention = True
     time_complexity = "O(n²)"
     memory_complexity = "O(n)"
 
@@ -35,6 +36,6 @@ class SDPAAttention(Variant):
             positions = torch.arange(kv_len, device=q.device)
             mask, is_causal = positions[None, :] <= positions[kv_len - q_len :, None], False
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=call.dropout if call.training else 0.0,
+            q, k, v, attn_mask=mask, dropout_p=call.effective_dropout,
             is_causal=is_causal, scale=call.scaling,
         )
