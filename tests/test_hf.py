@@ -231,7 +231,8 @@ def _padded_three_ways(ids, pad):
 @pytest.mark.parametrize("family", ["bert", "llama"])
 def test_global_tokens_are_the_first_real_tokens_of_each_row(family):
     """One row alone, left-padded and right-padded: the same outputs at its real tokens (global_tokens count from
-    the row's first real token, not from position 0 of the padded tensor)."""
+    the row's first real token, not from position 0 of the padded tensor). Position ids count real tokens, as in
+    transformers' own left-padding test."""
     config = FAMILIES[family]()
     zoo.configure(config, "longformer", window=4, global_tokens=[0, 1])
     torch.manual_seed(0)
@@ -240,6 +241,7 @@ def test_global_tokens_are_the_first_real_tokens_of_each_row(family):
     outs = []
     with torch.no_grad():
         for tokens, mask, real in _padded_three_ways(ids, 4):
-            outs.append(model(input_ids=tokens, attention_mask=mask).last_hidden_state[:, real])
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            outs.append(model(input_ids=tokens, attention_mask=mask, position_ids=positions).last_hidden_state[:, real])
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(outs[2], outs[0], atol=1e-5, rtol=1e-4)

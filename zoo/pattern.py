@@ -121,7 +121,7 @@ class TokenSet:
     def __call__(self, b, idx):
         member = torch.zeros_like(torch.as_tensor(idx), dtype=torch.bool)
         if self.offsets:
-            rank = idx if self.row_start is None else idx - _rows(self.row_start, b)
+            rank = idx if self.row_start is None else idx - self.row_start[_rows(self.row_start, b)]
             wanted = torch.tensor(self.offsets, dtype=rank.dtype, device=rank.device)
             member = torch.isin(rank, wanted)
         if self.marked is not None:
