@@ -160,6 +160,7 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
     def set_row_start(self, row_start: torch.Tensor | None) -> None:
         """Where each row's real tokens start (the plug tells the layer at the first call; sinks count from it)."""
         self.row_start, self.rows_known = row_start, True
+        self._settle()  # the keys of this call were handed over already: drop what no later query reaches
 
     def _settle(self) -> None:
         """Classify the keys of the last call (sinks, now that ``row_start`` is known) and drop the unreachable."""
@@ -167,7 +168,10 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
             kwargs, recent = self.attention_kwargs, slice(self.positions.shape[0] - self.pending, None)
             if self.sinks is not None:
                 marked = self.sinks(self.positions[recent], kwargs, self.row_start).to(self.device)
+                current = self.key_is_sink is self.is_sink
                 self.is_sink = torch.cat([self.is_sink[: recent.start], marked])
+                if current:  # the call in progress reads its keys' sinks
+                    self.key_is_sink = self.is_sink
             if self.sees_all_until is not None:
                 self.complete_until = max(self.complete_until, int(self.sees_all_until(kwargs, self.row_start)))
             self.pending = 0
@@ -268,7 +272,8 @@ def _decoding_call(layer_idx: int, kwargs: dict, row_start: torch.Tensor | None)
 
 
 def _rows_of(tokens) -> int:
-    return tokens.marked.shape[0] if tokens.marked is not None else 1
+    marked = getattr(tokens, "marked", None)  # a TokenSet's per-row marks, or a rule of positions alone
+    return marked.shape[0] if marked is not None else 1
 
 
 class GrowingLayer(DynamicLayer):
