@@ -38,9 +38,9 @@ import torch
 
 from zoo.cache import GrowingLayer, WindowedLayer
 from zoo.ops import (
-    allowed_mask,
     GatheredPart,
     KeyPart,
+    allowed_mask,
     band_part,
     blocked_attention,
     pad_to_multiple,
@@ -103,7 +103,7 @@ class SparseTransformerAttention(Variant):
     # the kernel
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
-        q_len, n = q.shape[-2], k.shape[-2]
+        n = k.shape[-2]
         if call.decoding:  # the new tokens over the keys of a cache
             return self.attend_new_tokens(q, k, v, call)
         if n <= self.stride:  # the pattern covers every pair: plain attention is the exact answer

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from zoo.bench.contestants import Contestant, PatternFn, QKVProjections, merge_heads
-from zoo.registry import get_variant_class
 from zoo.pattern import (
     Pattern,
     TokenSet,
@@ -24,6 +23,7 @@ from zoo.pattern import (
     global_rows,
     union,
 )
+from zoo.registry import get_variant_class
 from zoo.variant import AttentionCall, VariantParameterError
 
 

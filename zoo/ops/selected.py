@@ -17,7 +17,6 @@ from zoo.pattern import MaskMod
 from zoo.variant import AttentionCall
 
 
-
 def selected_attention(
     q: torch.Tensor,
     k: torch.Tensor,
