@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from zoo.variants.bigbird import BigBirdAttention, fixed_blocks, make_layout
 
 import zoo
 from zoo.hf import run_variant
 from zoo.testing import assert_memory_below_quadratic, assert_reloads_identically, make_call, reference
 from zoo.variant import AttentionCall, VariantParameterError
-from zoo.variants.bigbird import BigBirdAttention, fixed_blocks, make_layout
 
 HEADS, DIM = 3, 16
 

@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from zoo.variants.linear import LinearAttention
 
 import zoo
 from zoo.hf import run_variant
 from zoo.ops import linear_attention
 from zoo.testing import assert_memory_below_quadratic
 from zoo.variant import AttentionCall, Variant
-from zoo.variants.linear import LinearAttention
 
 
 def qkv(n: int, batch: int = 2, heads: int = 2, head_dim: int = 8, dtype=torch.float64, seed: int = 0):

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import transformers
+from zoo.variants.linformer import LengthProjections, LinformerAttention
 
 import zoo
 from zoo import testing
@@ -16,7 +17,6 @@ from zoo.bench.contestants import QKVProjections, ZooContestant
 from zoo.hf import run_variant
 from zoo.testing import make_call, make_inputs, real_rows, reference
 from zoo.variant import VariantParameterError
-from zoo.variants.linformer import LengthProjections, LinformerAttention
 
 
 def identity_projections(variant: LinformerAttention, n: int, heads: int = testing.HEADS) -> LengthProjections:

@@ -9,13 +9,13 @@ import pytest
 import torch
 import transformers
 from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
+from zoo.variants.longformer import LongformerAttention
 
 import zoo
 from zoo import testing
 from zoo.hf import run_variant
 from zoo.testing import LargestAllocation, assert_memory_below_quadratic, reference
 from zoo.variant import AttentionCall, VariantParameterError
-from zoo.variants.longformer import LongformerAttention
 
 HIDDEN, HEADS = 32, 4
 HEAD_DIM = HIDDEN // HEADS

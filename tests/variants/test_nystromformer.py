@@ -10,13 +10,13 @@ import pytest
 import torch
 import transformers
 from transformers.models.nystromformer.modeling_nystromformer import NystromformerSelfAttention
+from zoo.variants.nystromformer import NystromformerAttention, ValueConvolution, iterative_pinv, segment_averaging
 
 import zoo
 from zoo.contract import LargestAllocation
 from zoo.hf import run_variant
 from zoo.ops import softmax_attention
 from zoo.variant import AttentionCall, VariantParameterError
-from zoo.variants.nystromformer import NystromformerAttention, ValueConvolution, iterative_pinv, segment_averaging
 
 HEADS, DIM = 2, 16
 

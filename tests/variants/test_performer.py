@@ -10,13 +10,13 @@ import pytest
 import torch
 import transformers
 from torch.profiler import profile
+from zoo.variants.performer import PerformerAttention
 
 import zoo
 from zoo.hf import run_variant
 from zoo.ops import allowed_mask, linear_attention_reference, softmax_attention
 from zoo.testing import assert_reloads_identically
 from zoo.variant import AttentionCall
-from zoo.variants.performer import PerformerAttention
 
 HEAD_DIM = 16  # the contract suite's inputs: q/k/v ~ N(0, 1), head_dim 16, softmax scaling 1/4
 

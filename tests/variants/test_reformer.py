@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from zoo.variants import reformer
+from zoo.variants.reformer import ReformerAttention, shared_keys
 
 import zoo
 from zoo.contract import LargestAllocation
 from zoo.hf import run_variant
 from zoo.variant import AttentionCall, VariantParameterError
-from zoo.variants import reformer
-from zoo.variants.reformer import ReformerAttention, shared_keys
 
 HEADS, DIM = 2, 16
 

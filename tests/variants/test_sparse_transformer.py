@@ -11,6 +11,7 @@ import logging
 import pytest
 import torch
 import transformers
+from zoo.variants.sparse_transformer import SparseTransformerAttention
 
 import zoo
 from zoo import testing
@@ -18,7 +19,6 @@ from zoo.hf import run_variant
 from zoo.ops import allowed_mask, softmax_attention
 from zoo.testing import assert_memory_below_quadratic, assert_reloads_identically, reference
 from zoo.variant import AttentionCall, VariantParameterError
-from zoo.variants.sparse_transformer import SparseTransformerAttention
 
 HEADS, HEAD_DIM = 2, 8
 

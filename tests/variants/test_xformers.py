@@ -16,9 +16,9 @@ import types
 import pytest
 import torch
 import transformers
+import zoo.variants.xformers as xf
 
 import zoo
-import zoo.variants.xformers as xf
 from zoo import testing
 from zoo.hf import run_variant
 from zoo.testing import assert_memory_below_quadratic
