@@ -41,6 +41,7 @@ __all__ = [
     "TokenSet",
     "and_masks",
     "band",
+    "band_key_blocks",
     "causal_mask_function",
     "global_columns",
     "global_rows",
@@ -228,6 +229,20 @@ def dense_mask(mask_mod: MaskMod | None, causal: bool, padding_mask, batch: int,
     kv = positions[None, None, None, :]
     mask = predicate(b, h, q, kv)
     return mask.expand(mask.shape[0], mask.shape[1], q_len, kv_len)
+
+
+def band_key_blocks(reach: int, block: int, sinks: TokenSet | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A ``key_blocks`` hint: the key blocks within ``reach`` of each query block and, first, the blocks holding
+    ``sinks`` (the positions up to its last one). Returns fn(query blocks (G,)) -> (G, R) (out-of-range allowed)."""
+    side = -(-reach // block)
+    around = torch.arange(-side, side + 1)
+    sink_blocks = torch.arange(-(-(sinks.last_position() + 1) // block)) if sinks else torch.zeros(0, dtype=torch.long)
+
+    def key_blocks(query_blocks: torch.Tensor) -> torch.Tensor:
+        band_part = query_blocks[:, None] + around.to(query_blocks.device)
+        return torch.cat([sink_blocks.to(query_blocks.device).expand(len(query_blocks), -1), band_part], -1)
+
+    return key_blocks
 
 
 def union(parts: Sequence[MaskMod | None]) -> MaskMod | None:

@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 import zoo
 from zoo.hf import run_variant
 from zoo.ops import allowed_mask, softmax_attention
+from zoo.pattern import row_starts
 from zoo.registry import get_variant_class
 from zoo.variant import AttentionCall, Variant
 from zoo.weights import WEIGHTS_NAME, build
@@ -98,6 +99,7 @@ def make_call(
     if variant is not None and "weights" not in kwargs:
         weights = make_weights(variant, heads=heads, head_dim=head_dim)
         kwargs["weights"] = weights.to(dtype) if weights is not None else None
+    kwargs.setdefault("row_start", row_starts(padding_mask))  # as the plug sets it: where each row's tokens start
     return AttentionCall(causal=causal, scaling=head_dim**-0.5, padding_mask=padding_mask, **kwargs)
 
 

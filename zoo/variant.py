@@ -318,7 +318,18 @@ class Variant:
         return getattr(cls, hook) is not getattr(Variant, hook)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
-        raise NotImplementedError
+        """The kernel. The default runs the variant's pattern on the shared chunked kernels
+        (:func:`zoo.ops.patterned.pattern_attention`) when it carries block hints (``block_size``, ``key_blocks``)."""
+        pattern = self.pattern(call, q.shape[-2], k.shape[-2])
+        if pattern is None or pattern.key_blocks is None:
+            raise NotImplementedError(
+                f"attention-zoo variant {self.name!r} has no kernel: implement attend(), or return from pattern() a "
+                "zoo.pattern.Pattern with block_size and key_blocks (e.g. zoo.pattern.band_key_blocks) to run it on "
+                "the shared chunked kernels."
+            )
+        from zoo.ops.patterned import pattern_attention  # zoo.ops imports this module
+
+        return pattern_attention(q, k, v, call, pattern)
 
     def cache_layer(self, layer_idx: int, config: Any) -> CacheLayerMixin:
         """The decoding cache layer of one decoder layer (``config``: the model's text config).
