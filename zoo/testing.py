@@ -385,7 +385,7 @@ def declares_bounded_cache(name: str, **params) -> bool:
     return all(isinstance(layer, (WindowedLayer, RecurrentLayer)) for layer in cache.layers)
 
 
-def assert_cache_bytes_bounded(name: str, lengths: tuple[int, int] = (32, 64), **params) -> None:
+def assert_cache_bytes_bounded(name: str, lengths: tuple[int, int] = (64, 96), **params) -> None:
     """A bounded cache holds the same bytes after decoding from prompts of two lengths."""
     from zoo.cache import cache_nbytes
 
