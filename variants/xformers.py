@@ -37,7 +37,14 @@ import torch
 import torch.nn.functional as F
 
 from zoo.cache import WindowedLayer
-from zoo.ops import band_part, pad_to_multiple, sdpa_real_tokens_first, selected_attention, union_attention
+from zoo.ops import (
+    allowed_mask,
+    band_part,
+    pad_to_multiple,
+    sdpa_real_tokens_first,
+    selected_attention,
+    union_attention,
+)
 from zoo.pattern import Pattern, band
 from zoo.variant import AttentionCall, Param, Variant
 
@@ -246,14 +253,6 @@ def _band(q, k, v, call: AttentionCall, window: int) -> torch.Tensor:
 
 def _new_tokens(q, k, v, call: AttentionCall, window: int | None) -> torch.Tensor:
     """KV-cache steps (causal; the queries are the last q_len positions): an explicit (q_len, kv_len) mask."""
-    q_len, kv_len = q.shape[-2], k.shape[-2]
-    q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
-    kv_pos = torch.arange(kv_len, device=q.device)[None, :]
-    offset = q_pos - kv_pos
-    allowed = offset >= 0
-    if window is not None:
-        allowed = allowed & (offset < window)
-    if call.padding_mask is not None:
-        allowed = allowed & call.padding_mask[:, None, None, :]
+    pattern = None if window is None else band(window - 1)
+    allowed = allowed_mask(call, pattern, q.shape[0], 1, q.shape[-2], k.shape[-2], q.device)  # new tokens x keys
     return _sdpa(q, k, v, allowed, call, False)
-
