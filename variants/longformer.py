@@ -136,7 +136,8 @@ class LongformerAttention(Variant):
         if call.decoding and isinstance(call.cache, WindowedLayer):
             return self.attend_cached(q, k, v, call)
         q_len, n = q.shape[-2], k.shape[-2]
-        half, dilation = self._half(call.layer_idx), self.dilation
+        dilation = self.dilation
+        half = self.pattern(call, q_len, n).reach // dilation  # the band's geometry comes from the pattern
         key_real = call.padding_mask if call.padding_mask is not None else q.new_ones(1, n, dtype=torch.bool)
         is_global = self.global_mask(call, n, q.device)
         first = n - q_len  # position of the first query: 0 unless decoding with a KV cache
