@@ -26,7 +26,7 @@ over its cached ``BlockLayout``), ``variants/sparse_transformer.py`` (``SparseTr
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -195,19 +195,6 @@ class Pattern:
 
     def __call__(self, b, h, q_idx, kv_idx):
         return self.mask_mod(b, h, q_idx, kv_idx)
-
-    def with_hints(self, **hints: Any) -> Pattern:
-        return replace(self, **hints)
-
-    def dense_mask(self, causal: bool, padding_mask, batch: int, heads: int, q_len: int, kv_len: int, device=None,
-                   positions: torch.Tensor | None = None) -> torch.Tensor:
-        """(B|1, H|1, q_len, kv_len) bool mask of the whole call (O(n²): references and tests only). Queries are the
-        last ``q_len`` of the keys; ``positions`` (kv_len,) are the keys' token positions (default 0 .. kv_len-1)."""
-        return dense_mask(self, causal, padding_mask, batch, heads, q_len, kv_len, device, positions)
-
-    def allowed(self, b, h, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """The predicate at given positions (a decoding query over its selected keys): O(queries x selected keys)."""
-        return self.mask_mod(b, h, q_pos, k_pos)
 
 
 def dense_mask(mask_mod: MaskMod | None, causal: bool, padding_mask, batch: int, heads: int, q_len: int, kv_len: int,
