@@ -281,3 +281,41 @@ def test_growing_layer_appends_in_place_and_holds_what_a_dynamic_cache_holds():
     for mine, theirs in zip(cache.layers, reference.layers, strict=True):
         torch.testing.assert_close(mine.keys, theirs.keys, rtol=0, atol=0)
         torch.testing.assert_close(mine.values, theirs.values, rtol=0, atol=0)
+
+
+class _Window(zoo.Variant):
+    """A pattern-only window (no kernel): the zoo's chunked kernels run it and its cache follows its reach."""
+
+    name = "test_pattern_window"
+    time_complexity = memory_complexity = "O(n·w)"
+
+    def pattern(self, call, q_len, kv_len):
+        from zoo.pattern import Pattern, band, band_key_blocks
+
+        return Pattern(band(4), reach=4, block_size=8, key_blocks=band_key_blocks(4, 8))
+
+
+class _ShortCache(_Window):
+    """The same pattern, with a cache that drops one key the pattern still reaches."""
+
+    name = "test_pattern_window_short_cache"
+
+    def cache_layer(self, layer_idx, config):
+        return WindowedLayer(3)
+
+
+@pytest.mark.parametrize("cls, fails", [(_Window, False), (_ShortCache, True)])
+def test_the_decoding_contract_catches_a_cache_that_drops_a_reachable_key(cls, fails):
+    from zoo.testing import assert_decodes_like_the_full_forward
+
+    zoo.register_variant(cls)
+    try:
+        config = zoo.configure(transformers.LlamaConfig(**SMALL), cls.name)
+        assert type(zoo.make_cache(config).layers[0]) is WindowedLayer  # derived from the reach, or the override
+        if fails:
+            with pytest.raises(AssertionError, match="differs from the full forward"):
+                assert_decodes_like_the_full_forward(cls.name)
+        else:
+            assert_decodes_like_the_full_forward(cls.name)
+    finally:
+        zoo.unregister_variant(cls.name)

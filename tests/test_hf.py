@@ -172,3 +172,76 @@ def test_third_party_plugin_end_to_end(tmp_path):
     assert (tmp_path / "model.safetensors").exists()
     reloaded = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
     torch.testing.assert_close(reloaded(input_ids=ids, attention_mask=mask).logits, logits)
+
+
+# ------------------------------------------------------------------------------------------------------
+# cross-attention and global tokens under padding (issue 21 item 10)
+
+
+def _bert_decoder(name=None, **params):
+    config = transformers.BertConfig(**{**SMALL, "num_hidden_layers": 1}, is_decoder=True, add_cross_attention=True,
+                                     attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0)
+    if name is None:
+        config._attn_implementation = "sdpa"
+    else:
+        zoo.configure(config, name, **params)
+    torch.manual_seed(0)
+    return transformers.BertModel(config).eval()
+
+
+def _cross_inputs():
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 64, (1, 7), generator=generator)
+    encoder = torch.randn(1, 7, 32, generator=generator)
+    encoder_mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0]])
+    return dict(input_ids=ids, encoder_hidden_states=encoder, encoder_attention_mask=encoder_mask)
+
+
+@pytest.mark.parametrize("name", ["sdpa", "dense"])
+def test_cross_attention_over_a_padded_encoder_equals_transformers_sdpa(name):
+    """7 decoder and 7 encoder tokens, the encoder padded: the key padding must not zero decoder rows."""
+    reference, model = _bert_decoder(), _bert_decoder(name)
+    model.load_state_dict(reference.state_dict())
+    with torch.no_grad():
+        want = reference(**_cross_inputs()).last_hidden_state
+        got = model(**_cross_inputs()).last_hidden_state
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name, params", [("longformer", {"window": 4}), ("xformers", {"window": 4}),
+                                          ("bigbird", {"block_size": 2}), ("linear", {})])
+def test_cross_attention_is_refused_by_variants_whose_pattern_is_over_one_sequence(name, params):
+    model = _bert_decoder(name, **params)
+    with pytest.raises(ValueError, match="does not support cross-attention"), torch.no_grad():
+        model(**_cross_inputs())
+
+
+def _padded_three_ways(ids, pad):
+    """The row alone, left-padded and right-padded by ``pad`` tokens: (ids, mask, slice of the real tokens)."""
+    n = ids.shape[-1]
+    ones, zeros = torch.ones(1, n, dtype=torch.long), torch.zeros(1, pad, dtype=torch.long)
+    filler = torch.full((1, pad), 5)
+    return [
+        (ids, ones, slice(0, n)),
+        (torch.cat([filler, ids], -1), torch.cat([zeros, ones], -1), slice(pad, pad + n)),
+        (torch.cat([ids, filler], -1), torch.cat([ones, zeros], -1), slice(0, n)),
+    ]
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_global_tokens_are_the_first_real_tokens_of_each_row(family):
+    """One row alone, left-padded and right-padded: the same outputs at its real tokens (global_tokens count from
+    the row's first real token, not from position 0 of the padded tensor). Position ids count real tokens, as in
+    transformers' own left-padding test."""
+    config = FAMILIES[family]()
+    zoo.configure(config, "longformer", window=4, global_tokens=[0, 1])
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(config).eval()
+    ids = torch.randint(3, 64, (1, 12), generator=torch.Generator().manual_seed(2))
+    outs = []
+    with torch.no_grad():
+        for tokens, mask, real in _padded_three_ways(ids, 4):
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            outs.append(model(input_ids=tokens, attention_mask=mask, position_ids=positions).last_hidden_state[:, real])
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(outs[2], outs[0], atol=1e-5, rtol=1e-4)

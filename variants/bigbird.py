@@ -41,7 +41,8 @@ import torch.nn.functional as F
 
 from zoo.cache import GrowingLayer
 from zoo.ops import gathered_attention, pad_to_multiple, rows_attention, selected_attention, stream_seed
-from zoo.variant import AttentionCall, IndexPredicate, Param, Variant, VariantParameterError
+from zoo.pattern import Pattern
+from zoo.variant import AttentionCall, Param, Variant, VariantParameterError
 
 LAYOUT_CACHE_SIZE = 256  # (layer, length) layouts kept; each is H·nb·(w+2g+r) indices
 
@@ -202,17 +203,24 @@ class BigBirdAttention(Variant):
             self._layouts.popitem(last=False)
         return layout
 
-    def pattern(self, call: AttentionCall, q_len: int, kv_len: int) -> IndexPredicate:
-        """The kernel's own cached layout as an index predicate (O(n²) when evaluated: tests only)."""
+    def pattern(self, call: AttentionCall, q_len: int, kv_len: int) -> Pattern:
+        """The kernel's own cached layout: query block i sees key block j when the layout names j for i (or i is a
+        global block); ``key_blocks`` hints the layout's key blocks of each query block."""
         block = self.block_size
         num_blocks = -(-kv_len // block)
+        layouts = {}
+
+        def layout_for(heads: int, device) -> BlockLayout:
+            if heads not in layouts:
+                layouts[heads] = self.layout(call.layer_idx, num_blocks, heads, call.causal, device)
+            return layouts[heads]
 
         def bigbird_blocks(batch_idx, head_idx, q_idx, kv_idx):
             heads = int(torch.as_tensor(head_idx).max()) + 1
-            layout = self.layout(call.layer_idx, num_blocks, heads, call.causal, torch.as_tensor(q_idx).device)
+            layout = layout_for(heads, torch.as_tensor(q_idx).device)
             return layout.adjacency[head_idx, q_idx // block, kv_idx // block]
 
-        return bigbird_blocks
+        return Pattern(bigbird_blocks, block_size=block)
 
     def flops(self, n: int, heads: int, head_dim: int, causal: bool = False) -> float:
         block, g, r, half = self.block_size, self.num_global_blocks, self.num_random_blocks, self.window_blocks // 2
@@ -231,7 +239,7 @@ class BigBirdAttention(Variant):
         block, kv_len = self.block_size, k.shape[-2]
         num_blocks = -(-kv_len // block)
         layout = self.layout(call.layer_idx, num_blocks, q.shape[1], call.causal, q.device)
-        if call.causal and q.shape[-2] < min(block, kv_len):  # decoding: a few queries over their key blocks
+        if call.decoding and q.shape[-2] < block:  # a few new queries over their key blocks
             return self._attend_new_tokens(q, k, v, layout, call)
         key_real = self._real_keys(call.padding_mask, kv_len, num_blocks * block, q.device)
         k, v = pad_to_multiple(k, block), pad_to_multiple(v, block)
@@ -248,23 +256,22 @@ class BigBirdAttention(Variant):
         names, per head, gathered (:func:`zoo.ops.selected_attention`): O(block·(window + global + random)) per
         token instead of padding the query to a whole block. Keys: every key so far (a DynamicLayer)."""
         block, kv_len = self.block_size, k.shape[-2]
-        positions = torch.arange(kv_len, device=q.device)
+        query_positions = call.query_positions(q.shape[-2], kv_len, q.device)
         within = torch.arange(block, device=q.device)
 
         def select(rows: slice) -> torch.Tensor:
-            query_block = int(positions[kv_len - q.shape[-2] + rows.start]) // block
+            query_block = int(query_positions[rows.start]) // block
             keys = (layout.key_blocks[:, query_block, :, None] * block + within).flatten(1)  # (H, slots·block)
             return keys.clamp(max=kv_len - 1)
 
-        def allowed(rows, index, q_pos, k_pos):
-            query_block = int(q_pos[0, 0]) // block
-            valid = layout.valid[:, query_block].repeat_interleave(block, -1)  # (H, slots·block)
+        def valid(rows: slice, index: torch.Tensor) -> torch.Tensor:
+            """The layout's valid slots, minus the clamped repeats of the last key."""
+            query_block = int(query_positions[rows.start]) // block
+            slot_valid = layout.valid[:, query_block].repeat_interleave(block, -1)  # (H, slots·block)
             key_blocks = layout.key_blocks[:, query_block].repeat_interleave(block, -1)
-            real_slot = (key_blocks * block + within.repeat(valid.shape[-1] // block)) < kv_len  # not clamped
-            return (valid & real_slot)[:, None, :]
+            return slot_valid & ((key_blocks * block + within.repeat(slot_valid.shape[-1] // block)) < kv_len)
 
-        return selected_attention(q, k, v, call, positions[kv_len - q.shape[-2] :], positions, select, allowed,
-                                  chunk=1)
+        return selected_attention(q, k, v, call, select, valid=valid, chunk=1)
 
     @staticmethod
     def _real_keys(padding_mask: torch.Tensor | None, kv_len: int, padded_len: int, device) -> torch.Tensor | None:

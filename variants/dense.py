@@ -13,6 +13,7 @@ from zoo.variant import AttentionCall, Variant
 class DenseAttention(Variant):
     name = "dense"
     exact = True
+    supports_cross_attention = True
     time_complexity = "O(n²)"
     memory_complexity = "O(n²)"
 
@@ -26,4 +27,4 @@ class DenseAttention(Variant):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         batch, heads, q_len, _ = q.shape
         allowed = allowed_mask(call, self.pattern(call, q_len, k.shape[-2]), batch, heads, q_len, k.shape[-2], q.device)
-        return softmax_attention(q, k, v, allowed, call.scaling, call.dropout, call.training)
+        return softmax_attention(q, k, v, allowed, call.scaling, call.effective_dropout, True)

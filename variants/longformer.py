@@ -54,6 +54,7 @@ from torch import nn
 
 from zoo.cache import WindowedLayer
 from zoo.ops import KeyPart, band_part, rows_attention, selected_attention, split_blocks, union_attention
+from zoo.pattern import Pattern, TokenSet, band, global_columns, global_rows, union
 from zoo.variant import AttentionCall, Param, Variant
 
 MAX_BLOCK = 128  # queries per block at the default window; tuned on CPU (64..256 run close)
@@ -95,61 +96,35 @@ class LongformerAttention(Variant):
     # ----------------------------------------------------------------------------------------------
     # the spec
 
-    def pattern(self, call: AttentionCall, q_len: int, kv_len: int):
+    def pattern(self, call: AttentionCall, q_len: int, kv_len: int) -> Pattern:
+        """The (dilated) band, plus global rows and columns; reach = what windowed decoding keeps, sinks = the
+        global tokens. The one definition of the pattern: kernel geometry, decoding and cache read it."""
         reach = self._half(call.layer_idx) * self.dilation
-        dilation = self.dilation
-        is_global = self.global_mask(call, kv_len, call.padding_mask.device if call.padding_mask is not None else None)
+        tokens = self.global_tokens_of(call)
+        extra = [global_rows(tokens), global_columns(tokens)] if tokens else []
+        return Pattern(union([band(reach, self.dilation), *extra]), reach=reach, sinks=tokens, global_queries=tokens)
 
-        def longformer_pattern(b, h, q_idx, kv_idx):
-            offset = q_idx - kv_idx
-            allowed = (offset.abs() <= reach) & (offset % dilation == 0)
-            if is_global is None:
-                return allowed
-            g = is_global.to(q_idx.device)
-            rows = b if g.shape[0] > 1 else torch.zeros_like(b)
-            return allowed | g[rows, q_idx] | g[rows, kv_idx]
-
-        return longformer_pattern
+    def global_tokens_of(self, call: AttentionCall) -> TokenSet:
+        """The global tokens: ``global_tokens`` counted from each row's first real token (so left and right padding
+        agree) and the nonzero entries of a per-batch ``global_attention_mask`` (positions of the input)."""
+        fixed = self.global_tokens if self.global_tokens is not None else ([] if call.causal else [0])
+        marked = call.extra.get("global_attention_mask")
+        if marked is not None:
+            marked = _checked_global_attention_mask(marked)
+        return TokenSet(tuple(fixed), marked, call.row_start)
 
     def global_mask(self, call: AttentionCall, n: int, device=None) -> torch.Tensor | None:
-        """(batch or 1, n) bool of global tokens (real tokens only), or None when there are none."""
-        mask = self.globals_at(call.extra, call.causal, torch.arange(n, device=device), n)
-        if mask is None:
+        """(batch or 1, n) bool of global tokens (real tokens only) among positions 0 .. n-1, or None if none."""
+        tokens = self.global_tokens_of(call)
+        if not tokens:
             return None
+        if tokens.marked is not None and tokens.marked.shape[-1] > n:
+            _checked_global_attention_mask(tokens.marked, n)  # the error names the shapes
+        rows = max([1, *(x.shape[0] for x in (tokens.marked, tokens.row_start) if x is not None)])
+        mask = tokens(torch.arange(rows, device=device)[:, None], torch.arange(n, device=device)[None, :])
         if call.padding_mask is not None:
             mask = mask & call.padding_mask.to(mask.device)
         return mask if bool(mask.any()) else None
-
-    def globals_at(self, extra: dict, causal: bool, positions: torch.Tensor, seen: int) -> torch.Tensor | None:
-        """(batch or 1, len(positions)) bool: which of these token positions are global (padding not applied),
-        or None when no token is. ``seen``: tokens so far (a ``global_attention_mask`` may cover the first ones)."""
-        fixed = self.global_tokens if self.global_tokens is not None else ([] if causal else [0])
-        per_batch = extra.get("global_attention_mask")
-        if not fixed and per_batch is None:
-            return None
-        mask = torch.isin(positions, torch.tensor(fixed, dtype=positions.dtype, device=positions.device))[None]
-        if per_batch is not None:
-            per_batch = _checked_global_attention_mask(per_batch, seen).to(positions.device)
-            covered = positions < per_batch.shape[-1]
-            mask = mask | (per_batch[:, positions.clamp(max=per_batch.shape[-1] - 1)] & covered)
-        return mask
-
-    def cache_layer(self, layer_idx: int, config) -> WindowedLayer:
-        """Decoding keeps the global tokens (sinks) and the last ``window // 2 * dilation`` keys; every key
-        while a global query is still to come (it attends to all earlier keys)."""
-
-        def sinks(positions: torch.Tensor, extra: dict) -> torch.Tensor:
-            is_global = self.globals_at(extra, True, positions, int(positions[-1]) + 1)
-            return torch.zeros_like(positions, dtype=torch.bool) if is_global is None else is_global.any(0)
-
-        def sees_all_until(extra: dict) -> int:
-            last = max(self.global_tokens or [-1])
-            per_batch = extra.get("global_attention_mask")
-            if per_batch is not None and bool((per_batch != 0).any()):
-                last = max(last, int((per_batch != 0).any(0).nonzero().max()))
-            return last + 1
-
-        return WindowedLayer(self._half(layer_idx) * self.dilation, sinks, sees_all_until)
 
     def _half(self, layer_idx: int) -> int:
         return self.per_layer("window", layer_idx) // 2
@@ -158,10 +133,11 @@ class LongformerAttention(Variant):
     # the kernel
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
-        if isinstance(call.cache, WindowedLayer) and call.cache.seen > q.shape[-2]:
+        if call.decoding and isinstance(call.cache, WindowedLayer):
             return self.attend_cached(q, k, v, call)
         q_len, n = q.shape[-2], k.shape[-2]
-        half, dilation = self._half(call.layer_idx), self.dilation
+        dilation = self.dilation
+        half = self.pattern(call, q_len, n).reach // dilation  # the band's geometry comes from the pattern
         key_real = call.padding_mask if call.padding_mask is not None else q.new_ones(1, n, dtype=torch.bool)
         is_global = self.global_mask(call, n, q.device)
         first = n - q_len  # position of the first query: 0 unless decoding with a KV cache
@@ -187,15 +163,12 @@ class LongformerAttention(Variant):
         """Decoding with the windowed cache: each new query over the sinks and its window among the kept keys,
         O(window + globals) per token (a global query, possible only while every key is kept, sees them all)."""
         layer = call.cache
-        reach, dilation = layer.reach, self.dilation
-        per_batch = "global_attention_mask" in call.extra
-        # Without a per-batch mask the layer's sinks are exactly the global keys (the same for every row).
-        key_global = (self.globals_at(call.extra, True, layer.key_positions, layer.seen) if per_batch
-                      else layer.key_is_sink[None])
+        pattern = self.pattern(call, q.shape[-2], k.shape[-2])
+        query_positions = call.query_positions(q.shape[-2], k.shape[-2])
         query_global = None  # no global query after the last global position
-        if int(layer.query_positions[0]) < layer.complete_until:
-            query_global = self.globals_at(call.extra, True, layer.query_positions, layer.seen)
-            if self.global_projections and query_global is not None and bool(query_global.any()):
+        if int(query_positions[0]) < layer.complete_until and pattern.global_queries:
+            query_global = pattern.global_queries(torch.arange(q.shape[0])[:, None], query_positions[None])
+            if self.global_projections and bool(query_global.any()):
                 raise ValueError(
                     "attention-zoo variant 'longformer': global_projections=True computes global query rows from "
                     "the hidden states of the whole sequence, which decoding with a cache does not have. Generate "
@@ -205,21 +178,10 @@ class LongformerAttention(Variant):
         def select(rows: slice) -> slice | torch.Tensor | None:
             if query_global is not None and bool(query_global[:, rows].any()):
                 return None
-            positions = layer.query_positions[rows]
+            positions = query_positions[rows]
             return layer.select(int(positions[0]), int(positions[-1]))
 
-        def allowed(rows, index, q_pos, k_pos):
-            offset = q_pos - k_pos
-            mask = offset <= reach
-            if dilation > 1:
-                mask = mask & (offset % dilation == 0)
-            if key_global is not None:
-                mask = mask | key_global[:, None, index]
-            if query_global is not None:
-                mask = mask | query_global[:, rows, None]
-            return mask[:, None] if mask.dim() == 3 else mask
-
-        return selected_attention(q, k, v, call, layer.query_positions, layer.key_positions, select, allowed)
+        return selected_attention(q, k, v, call, select, pattern)
 
     def flops(self, n: int, heads: int, head_dim: int, causal: bool = False) -> float:
         """Forward QK^T + PV FLOPs the blocked kernel really computes (masked band edges included)."""
@@ -237,12 +199,13 @@ class LongformerAttention(Variant):
 # kernel pieces
 
 
-def _checked_global_attention_mask(mask: torch.Tensor, n: int) -> torch.Tensor:
+def _checked_global_attention_mask(mask: torch.Tensor, n: int | None = None) -> torch.Tensor:
     """(batch, L) bool over the first L <= n tokens: ``generate`` passes the prompt's mask at every step, and the
     tokens after it are not global."""
     if isinstance(mask, torch.Tensor) and mask.dim() == 3:  # multiple choice: (batch, choices, seq), as flattened ids
         mask = mask.flatten(0, 1)
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[-1] > n or mask.shape[-1] == 0:
+    too_long = n is not None and isinstance(mask, torch.Tensor) and mask.shape[-1] > n
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or too_long or mask.shape[-1] == 0:
         shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(
             f"attention-zoo variant 'longformer': global_attention_mask must be a (batch, seq_len) tensor with "

@@ -189,7 +189,7 @@ def lsh_attention(q: torch.Tensor, v: torch.Tensor, buckets: torch.Tensor, chunk
         empty = ~allowed.any(-1).expand(batch, heads, rounds, -1, -1).flatten(3)  # (B, H, r, N): no key this round
         alone = take(empty[..., None].to(q.dtype), unsort, rounds=True).bool().all(2)  # (B, H, N, 1): none at all
     keys = shared_keys(q)
-    dropout = call.dropout if call.training else 0.0
+    dropout = call.effective_dropout
     if flash_available(q) and not dropout:  # with dropout: the chunk-sized fallback below
         out = _SortedChunksFlash.apply(q, keys, v, allowed, order, unsort, call.scaling)
     else:

@@ -8,33 +8,28 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from zoo.ops import sdpa_real_tokens_first
+from zoo.ops import allowed_mask, sdpa_real_tokens_first
 from zoo.variant import AttentionCall, Variant
 
 
 class SDPAAttention(Variant):
     name = "sdpa"
     exact = True
+    supports_cross_attention = True
     time_complexity = "O(n²)"
     memory_complexity = "O(n)"
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         q_len, kv_len = q.shape[-2], k.shape[-2]
         mask, is_causal = None, call.causal
-        if call.padding_mask is not None:
-            if call.causal and q_len == kv_len:
+        if call.causal and q_len != kv_len:  # KV-cache steps: a (B|1, 1, new tokens, N) mask, causality and padding
+            mask, is_causal = allowed_mask(call, None, q.shape[0], 1, q_len, kv_len, q.device), False
+        elif call.padding_mask is not None:
+            if call.causal:
                 # SDPA cannot combine is_causal with a mask, and an (n, n) causal mask is quadratic memory.
                 return sdpa_real_tokens_first(q, k, v, call.padding_mask, call)
             mask = call.padding_mask[:, None, None, :]  # (B, 1, 1, N): broadcast, never n x n
-            if call.causal:  # KV-cache steps: a (B, 1, new tokens, N) mask
-                positions = torch.arange(kv_len, device=q.device)
-                causal = positions[None, :] <= positions[kv_len - q_len :, None]
-                mask = mask & causal
-                is_causal = False
-        elif call.causal and q_len != kv_len:
-            positions = torch.arange(kv_len, device=q.device)
-            mask, is_causal = positions[None, :] <= positions[kv_len - q_len :, None], False
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=call.dropout if call.training else 0.0,
+            q, k, v, attn_mask=mask, dropout_p=call.effective_dropout,
             is_causal=is_causal, scale=call.scaling,
         )

@@ -40,6 +40,7 @@ from zoo.cache import GrowingLayer, WindowedLayer
 from zoo.ops import (
     GatheredPart,
     KeyPart,
+    allowed_mask,
     band_part,
     blocked_attention,
     pad_to_multiple,
@@ -47,6 +48,7 @@ from zoo.ops import (
     split_blocks,
     union_attention,
 )
+from zoo.pattern import Pattern, band, or_masks, residue_columns, same_block, summary_columns
 from zoo.variant import AttentionCall, Param, Variant, VariantParameterError
 
 
@@ -74,18 +76,15 @@ class SparseTransformerAttention(Variant):
     # ---------------------------------------------------------------------------------------------------
     # the spec
 
-    def pattern(self, call: AttentionCall, q_len: int, kv_len: int):
+    def pattern(self, call: AttentionCall, q_len: int, kv_len: int) -> Pattern:
+        """``strided``: band (reach l − 1) ∪ residue columns; ``fixed``: same block ∪ summary columns (the sinks of
+        windowed decoding, whose reach l − 1 covers the query's block)."""
         stride, summary = self.stride, self.num_summary
         if self.layout == "strided":
-            def strided(batch_idx, head_idx, q_idx, kv_idx):
-                return ((q_idx - kv_idx).abs() < stride) | ((q_idx - kv_idx) % stride == 0)
-
-            return strided
-
-        def fixed(batch_idx, head_idx, q_idx, kv_idx):
-            return (q_idx // stride == kv_idx // stride) | (kv_idx % stride >= stride - summary)
-
-        return fixed
+            return Pattern(or_masks(band(stride - 1), residue_columns(stride)))
+        sinks = summary_columns(stride, summary)
+        return Pattern(or_masks(same_block(stride), sinks), reach=stride - 1,
+                       sinks=lambda b, idx: sinks(b, None, None, idx))
 
     def flops(self, n: int, heads: int, head_dim: int, causal: bool = False) -> float:
         """Scores the kernel computes (masked ones included) times 4·d (QK^T and PV)."""
@@ -104,8 +103,8 @@ class SparseTransformerAttention(Variant):
     # the kernel
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
-        q_len, n = q.shape[-2], k.shape[-2]
-        if q_len != n:  # decoding: the new tokens over the keys of a cache
+        n = k.shape[-2]
+        if call.decoding:  # the new tokens over the keys of a cache
             return self.attend_new_tokens(q, k, v, call)
         if n <= self.stride:  # the pattern covers every pair: plain attention is the exact answer
             return _full_attention(q, k, v, call)
@@ -128,11 +127,7 @@ class SparseTransformerAttention(Variant):
                 f"{k.shape[-2]} is only supported for causal decoding steps."
             )
         layer = call.cache if isinstance(call.cache, WindowedLayer) else None
-        if layer is not None:
-            query_positions, key_positions = layer.query_positions, layer.key_positions
-        else:
-            key_positions = torch.arange(k.shape[-2], device=q.device)
-            query_positions = key_positions[k.shape[-2] - q.shape[-2] :]
+        query_positions = call.query_positions(q.shape[-2], k.shape[-2], q.device)
         stride, summary = self.stride, self.num_summary
         fixed = self.layout == "fixed"
 
@@ -149,18 +144,13 @@ class SparseTransformerAttention(Variant):
                            for r in sorted(set((query_positions[rows] % stride).tolist()))]
             return torch.cat([*columns, torch.arange(low, last + 1, device=q.device)])
 
-        predicate = self.pattern(call, q.shape[-2], k.shape[-2])
-        return selected_attention(q, k, v, call, query_positions, key_positions, select,
-                                  lambda rows, index, q_pos, k_pos: predicate(None, None, q_pos, k_pos),
+        return selected_attention(q, k, v, call, select, self.pattern(call, q.shape[-2], k.shape[-2]),
                                   chunk=stride if fixed else 8)
 
-    def cache_layer(self, layer_idx: int, config) -> GrowingLayer | WindowedLayer:
-        """``fixed`` decodes with the summary columns as sinks and the last l - 1 keys (the query's block);
-        ``strided`` keeps every key (its every-l-th columns reach back to the first token), appended in O(1)."""
-        if self.layout == "strided":
-            return GrowingLayer()
-        stride, summary = self.stride, self.num_summary
-        return WindowedLayer(stride - 1, lambda positions, extra: positions % stride >= stride - summary)
+    def cache_layer(self, layer_idx: int, config):
+        """``fixed``: the pattern's windowed cache (summary columns as sinks, the last l - 1 keys); ``strided`` keeps
+        every key (its every-l-th columns reach back to the first token), appended in O(1)."""
+        return GrowingLayer() if self.layout == "strided" else super().cache_layer(layer_idx, config)
 
 
 # -------------------------------------------------------------------------------------------------------
@@ -185,15 +175,8 @@ def _key_real(padding_mask: torch.Tensor | None, n: int, stride: int, device) ->
 
 
 def _full_attention(q, k, v, call: AttentionCall) -> torch.Tensor:
-    n = q.shape[-2]
-    allowed = None
-    if call.padding_mask is not None:
-        allowed = call.padding_mask[:, None, None, :]
-    if call.causal:
-        positions = torch.arange(n, device=q.device)
-        causal = positions[None, :] <= positions[:, None]  # n <= stride: small
-        allowed = causal if allowed is None else allowed & causal
-    return blocked_attention(q, k, v, allowed, call)
+    n = q.shape[-2]  # n <= stride: the mask is small
+    return blocked_attention(q, k, v, allowed_mask(call, None, q.shape[0], 1, n, n, q.device), call)
 
 
 def _strided_parts(q, k, v, key_real, causal: bool, stride: int) -> list[KeyPart]:

@@ -35,10 +35,17 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from transformers.cache_utils import DynamicLayer
 
 from zoo.cache import WindowedLayer
-from zoo.ops import band_part, pad_to_multiple, sdpa_real_tokens_first, selected_attention, union_attention
+from zoo.ops import (
+    allowed_mask,
+    band_part,
+    pad_to_multiple,
+    sdpa_real_tokens_first,
+    selected_attention,
+    union_attention,
+)
+from zoo.pattern import Pattern, band
 from zoo.variant import AttentionCall, Param, Variant
 
 logger = logging.getLogger(__name__)
@@ -57,15 +64,9 @@ class XFormersAttention(Variant):
     }
     test_params = {"window": 16}
 
-    def pattern(self, call: AttentionCall, q_len: int, kv_len: int):
-        window = self.window
-        if window is None:
-            return None
-
-        def local(batch_idx, head_idx, q_idx, kv_idx):
-            return (q_idx - kv_idx).abs() < window
-
-        return local
+    def pattern(self, call: AttentionCall, q_len: int, kv_len: int) -> Pattern | None:
+        """``|i − j| < window`` (a band of reach window − 1), or every key without a window."""
+        return None if self.window is None else Pattern(band(self.window - 1), reach=self.window - 1)
 
     def flops(self, n: int, heads: int, head_dim: int, causal: bool = False) -> float:
         if self.window is None:
@@ -73,17 +74,10 @@ class XFormersAttention(Variant):
         keys = min(n, self.window if causal else 2 * self.window - 1)
         return 4.0 * n * keys * heads * head_dim
 
-    def cache_layer(self, layer_idx: int, config) -> DynamicLayer:
-        """Decoding with a window keeps the last ``window - 1`` keys (what the next query can reach); without
-        one, every key (transformers' ``DynamicLayer``)."""
-        return DynamicLayer() if self.window is None else WindowedLayer(self.window - 1)
-
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
-        layer = call.cache
-        if isinstance(layer, WindowedLayer) and layer.seen > q.shape[-2]:  # decoding: a few queries, window keys
+        if call.decoding and isinstance(call.cache, WindowedLayer):  # a few queries over the kept window keys
             log_backend_once("zoo.ops.selected_attention", "decoding with the windowed cache")
-            return selected_attention(q, k, v, call, layer.query_positions, layer.key_positions,
-                                      lambda rows: None, self._in_window)
+            return selected_attention(q, k, v, call, lambda rows: None, self.pattern(call, q.shape[-2], k.shape[-2]))
         reason = xformers_unavailable_reason(q)
         if reason is None:
             try:
@@ -97,9 +91,6 @@ class XFormersAttention(Variant):
         log_backend_once("torch scaled_dot_product_attention", reason)
         return torch_attention(q, k, v, call, self.window)
 
-
-    def _in_window(self, rows, index, q_pos, k_pos) -> torch.Tensor:
-        return q_pos - k_pos < self.window
 
 
 class TorchPathNeeded(Exception):
@@ -137,7 +128,7 @@ def xformers_attention(q, k, v, call: AttentionCall, window: int | None, attenti
         if local_bidirectional and q.dtype not in (torch.float16, torch.bfloat16):
             raise TorchPathNeeded("a bidirectional window in xformers needs fp16/bf16 (only its flash kernels)")
         from xformers.ops import memory_efficient_attention as attention
-    kwargs = {"p": call.dropout if call.training else 0.0, "scale": call.scaling}
+    kwargs = {"p": call.effective_dropout, "scale": call.scaling}
     q_len, kv_len = q.shape[-2], k.shape[-2]
     real = call.padding_mask
     if real is not None and bool(real.all()):
@@ -245,7 +236,7 @@ def torch_attention(q, k, v, call: AttentionCall, window: int | None) -> torch.T
 
 def _sdpa(q, k, v, mask, call: AttentionCall, is_causal: bool) -> torch.Tensor:
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=call.dropout if call.training else 0.0, is_causal=is_causal,
+        q, k, v, attn_mask=mask, dropout_p=call.effective_dropout, is_causal=is_causal,
         scale=call.scaling,
     )
 
@@ -262,14 +253,6 @@ def _band(q, k, v, call: AttentionCall, window: int) -> torch.Tensor:
 
 def _new_tokens(q, k, v, call: AttentionCall, window: int | None) -> torch.Tensor:
     """KV-cache steps (causal; the queries are the last q_len positions): an explicit (q_len, kv_len) mask."""
-    q_len, kv_len = q.shape[-2], k.shape[-2]
-    q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
-    kv_pos = torch.arange(kv_len, device=q.device)[None, :]
-    offset = q_pos - kv_pos
-    allowed = offset >= 0
-    if window is not None:
-        allowed = allowed & (offset < window)
-    if call.padding_mask is not None:
-        allowed = allowed & call.padding_mask[:, None, None, :]
+    pattern = None if window is None else band(window - 1)
+    allowed = allowed_mask(call, pattern, q.shape[0], 1, q.shape[-2], k.shape[-2], q.device)  # new tokens x keys
     return _sdpa(q, k, v, allowed, call, False)
-

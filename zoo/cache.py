@@ -30,11 +30,12 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
-from zoo.variant import Variant
+from zoo.variant import AttentionCall, Variant
 
 LAYER_KWARG = "attention_zoo_cache_layer"
 
-SinkPredicate = Callable[[torch.Tensor, dict], torch.Tensor]
+# (positions (K,), attention kwargs, row_start (B,) | None) -> (K,) bool: keys kept forever (any row's sink)
+SinkPredicate = Callable[[torch.Tensor, dict, "torch.Tensor | None"], torch.Tensor]
 
 
 class CacheRollbackError(RuntimeError):
@@ -89,9 +90,11 @@ class _SeenTokens:
 class WindowedLayer(_SeenTokens, DynamicLayer):
     """Keys a windowed pattern can still reach: every sink (global) key and the last ``reach`` keys.
 
-    A future query at position p may see keys p - reach .. p and the sinks, so after each update the layer drops
-    the non-sink keys older than ``seen - reach``. ``sinks(positions, attention_kwargs) -> (len,) bool`` marks
-    keys kept forever (e.g. StreamingLLM's first tokens, Longformer's global tokens, union over the batch);
+    A future query at position p may see keys p - reach .. p and the sinks, so the layer drops the non-sink keys
+    older than ``seen - reach`` -- at the next update, once the attention call has told it where each row's real
+    tokens start (``row_start``, set by the plug: left padding moves the first real tokens).
+    ``sinks(positions, attention_kwargs, row_start) -> (len,) bool`` marks keys kept forever (e.g. StreamingLLM's
+    first tokens, Longformer's global tokens, union over the batch);
     ``sees_all_until(attention_kwargs) -> int``: every key is kept while fewer tokens were seen (a global query
     still to come attends to all earlier keys).
 
@@ -115,7 +118,10 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
         self._clear()
 
     def _clear(self) -> None:
-        self.seen = self.new_tokens = self.complete_until = 0
+        self.seen = self.new_tokens = self.complete_until = self.pending = 0
+        self.row_start: torch.Tensor | None = None
+        self.rows_known = False  # row_start set by the plug (after the first call's update)
+        self.attention_kwargs: dict = {}
         self.first_recent = self.sink_prefix = 0  # the held layout (see the class docstring)
         self.call_first = self.call_prefix = 0  # the same for the keys of the current call
         self.positions = self.is_sink = None
@@ -133,24 +139,44 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
         attention_kwargs = hand_to_kernel(self, kwargs)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self._settle()
+        self.attention_kwargs = attention_kwargs
         count = key_states.shape[-2]
         new_positions = torch.arange(self.seen, self.seen + count, device=self.device)
-        new_sinks = (self.sinks(new_positions, attention_kwargs).to(self.device) if self.sinks is not None
-                     else torch.zeros(count, dtype=torch.bool, device=self.device))
-        if self.sees_all_until is not None:
-            self.complete_until = max(self.complete_until, int(self.sees_all_until(attention_kwargs)))
+        new_sinks = torch.zeros(count, dtype=torch.bool, device=self.device)  # classified at the next update
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.positions = torch.cat([self.positions, new_positions])
         self.is_sink = torch.cat([self.is_sink, new_sinks])
         self.seen += count
-        self.new_tokens = count
-        keys, values = self.keys, self.values
+        self.new_tokens = self.pending = count
         self.key_positions, self.key_is_sink = self.positions, self.is_sink
         self.call_first, self.call_prefix = self.first_recent, self.sink_prefix
+        keys, values = self.keys, self.values
+        if self.rows_known:
+            self._settle()
+        return keys, values
+
+    def set_row_start(self, row_start: torch.Tensor | None) -> None:
+        """Where each row's real tokens start (the plug tells the layer at the first call; sinks count from it)."""
+        self.row_start, self.rows_known = row_start, True
+        self._settle()  # the keys of this call were handed over already: drop what no later query reaches
+
+    def _settle(self) -> None:
+        """Classify the keys of the last call (sinks, now that ``row_start`` is known) and drop the unreachable."""
+        if self.pending:
+            kwargs, recent = self.attention_kwargs, slice(self.positions.shape[0] - self.pending, None)
+            if self.sinks is not None:
+                marked = self.sinks(self.positions[recent], kwargs, self.row_start).to(self.device)
+                current = self.key_is_sink is self.is_sink
+                self.is_sink = torch.cat([self.is_sink[: recent.start], marked])
+                if current:  # the call in progress reads its keys' sinks
+                    self.key_is_sink = self.is_sink
+            if self.sees_all_until is not None:
+                self.complete_until = max(self.complete_until, int(self.sees_all_until(kwargs, self.row_start)))
+            self.pending = 0
         if not self.record_past:
             self._drop_unreachable()
-        return keys, values
 
     def _drop_unreachable(self) -> None:
         """Drop the non-sink keys no future query can reach (older than ``seen - reach``)."""
@@ -202,8 +228,9 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
                 )
             self._keep(slice(0, self.sink_prefix + target - self.first_recent))
             self.seen = target
+            self.pending = max(0, self.pending - count)
         if self.is_initialized:
-            self._drop_unreachable()
+            self._settle()
 
     def reset(self) -> None:
         super().reset()
@@ -211,6 +238,42 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
 
     def nbytes(self) -> int:
         return tensor_bytes([self.keys, self.values, self.positions, self.is_sink])
+
+
+def pattern_cache_layer(variant: Variant, layer_idx: int) -> CacheLayerMixin:
+    """The cache a variant's causal pattern needs (:meth:`Variant.cache_layer`'s default): with a finite ``reach``
+    a :class:`WindowedLayer` keeping the pattern's sinks (global columns) and the last ``reach`` keys -- and every
+    key while a global query (a row that sees everything) may still come; otherwise every key (``DynamicLayer``)."""
+    pattern = variant.pattern(_decoding_call(layer_idx, {}, None), 1, 1)
+    if pattern is None or pattern.reach is None:
+        return DynamicLayer()
+
+    def pattern_at(kwargs: dict, row_start: torch.Tensor | None):
+        return variant.pattern(_decoding_call(layer_idx, kwargs, row_start), 1, 1)
+
+    def sinks(positions: torch.Tensor, kwargs: dict, row_start: torch.Tensor | None) -> torch.Tensor:
+        tokens = pattern_at(kwargs, row_start).sinks
+        if not tokens:
+            return torch.zeros_like(positions, dtype=torch.bool)
+        rows = row_start.shape[0] if row_start is not None else 1
+        batch = torch.arange(max(rows, _rows_of(tokens)), device=positions.device)[:, None]
+        return tokens(batch, positions[None, :]).any(0)
+
+    def sees_all_until(kwargs: dict, row_start: torch.Tensor | None) -> int:
+        rows = pattern_at(kwargs, row_start).global_queries
+        return rows.last_position() + 1 if rows else 0
+
+    return WindowedLayer(pattern.reach, sinks, sees_all_until)
+
+
+def _decoding_call(layer_idx: int, kwargs: dict, row_start: torch.Tensor | None):
+    return AttentionCall(causal=True, scaling=1.0, layer_idx=layer_idx, extra=kwargs, row_start=row_start,
+                         decoding=True)
+
+
+def _rows_of(tokens) -> int:
+    marked = getattr(tokens, "marked", None)  # a TokenSet's per-row marks, or a rule of positions alone
+    return marked.shape[0] if marked is not None else 1
 
 
 class GrowingLayer(DynamicLayer):

@@ -33,10 +33,13 @@ from zoo.testing import (
     REAL_LENGTH,
     LargestAllocation,  # noqa: F401  (importable from zoo.contract, as before zoo.testing existed)
     N,
+    assert_cache_bytes_bounded,
+    assert_decodes_like_the_full_forward,
     assert_matches_reference,
     assert_memory_below_quadratic,
     assert_reloads_identically,
     assert_weights_train_and_reload,
+    declares_bounded_cache,
     declares_subquadratic_memory,
     declares_weights,
     make_call,
@@ -282,3 +285,20 @@ def test_learned_weights_get_gradients_and_reload_identically(name):
     model = transformers.AutoModel.from_config(tiny_model_config(family, name))
     ids, mask = model_inputs()
     assert_weights_train_and_reload(model, {"input_ids": ids, "attention_mask": mask})
+
+
+# ------------------------------------------------------------------------------------------------------
+# decoding
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANTS if get_variant_class(n).supports_causal])
+def test_cached_greedy_decoding_equals_the_full_forward(name):
+    """Left-padded batch, prompts longer than any window: the variant's cache and decoding path read the keys its
+    pattern reaches (or the variant refuses a cache, and generate with it)."""
+    assert_decodes_like_the_full_forward(name)
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANTS if get_variant_class(n).supports_causal and
+                                  declares_bounded_cache(n)])
+def test_bounded_cache_holds_the_same_bytes_at_any_prompt_length(name):
+    assert_cache_bytes_bounded(name)

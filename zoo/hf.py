@@ -16,6 +16,7 @@ Decoding: ``generate`` gets the variant's own cache (:mod:`zoo.cache`) without a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from collections.abc import Callable, Mapping
@@ -28,8 +29,9 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.masking_utils import flash_attention_mask
 
 from zoo import _patches
-from zoo.cache import LAYER_KWARG, CacheRollbackError, ZooCache
+from zoo.cache import LAYER_KWARG, CacheRollbackError, WindowedLayer, ZooCache
 from zoo.ops import expand_kv
+from zoo.pattern import row_starts
 from zoo.registry import UnknownVariantError, get_variant_class, variant_source
 from zoo.variant import AttentionCall, Variant
 from zoo.weights import WEIGHTS_NAME, attach, initialize_missing
@@ -264,51 +266,75 @@ def zoo_attention_forward(
         )
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
     q_len, kv_len = query.shape[-2], key.shape[-2]
-    if query.shape[-2] != key.shape[-2] and not causal:
-        raise ValueError(
-            f"attention-zoo variant {variant.name!r}: cross-attention (query length {q_len}, key length "
-            f"{kv_len}) is not supported; use it for self-attention."
-        )
+    cross = is_cross_attention(module) or (q_len != kv_len and not causal)
     key, value = expand_kv(key, value, query.shape[1])
     spec = getattr(config, CONFIG_KEY)
     padding_mask = attention_mask.bool() if attention_mask is not None else None
     cache_layer = kwargs.pop(LAYER_KWARG, None)  # our cache layer, handed over by its update() (zoo.cache)
+    row_start = None if cross else row_starts(padding_mask)  # over every token seen (before key_columns)
+    positions, decoding = None, kv_len > q_len and not cross
     if cache_layer is not None:
+        if isinstance(cache_layer, WindowedLayer):  # it marks each row's sinks from where the row starts
+            if cache_layer.rows_known:
+                row_start = cache_layer.row_start
+            else:
+                cache_layer.set_row_start(row_start)
         padding_mask = cache_layer.key_columns(padding_mask)
+        positions, decoding = cache_layer.key_positions, cache_layer.seen > q_len
     call = AttentionCall(
         causal=causal,
         scaling=float(scaling if scaling is not None else query.shape[-1] ** -0.5),
         padding_mask=padding_mask,
-        dropout=float(dropout) if module.training else 0.0,
+        dropout=float(dropout),
         training=module.training,
         layer_idx=_layer_index(module),
         extra=kwargs,
         state=spec.setdefault("state", {}),
-        module=module,
         cache=cache_layer,
         weights=module._modules.get(WEIGHTS_NAME),
+        positions=positions,
+        decoding=decoding,
+        row_start=row_start,
+        cross_attention=cross,
     )
     out = run_variant(variant, query, key, value, call)
     return out.transpose(1, 2).contiguous(), None
 
 
+def is_cross_attention(module: torch.nn.Module) -> bool:
+    """The module attends from one sequence to another (BERT's ``BertCrossAttention``, encoder-decoder models)."""
+    return bool(getattr(module, "is_cross_attention", False)) or "CrossAttention" in type(module).__name__
+
+
 def run_variant(
     variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall
 ) -> torch.Tensor:
-    """Check the call against what the variant supports, run its kernel, zero padded query rows."""
+    """Check the call against what the variant supports, run its kernel, zero padded query rows.
+
+    Under cross-attention ``call.padding_mask`` covers the keys (the encoder's tokens), not the queries: no row is
+    zeroed, as transformers' own implementations do."""
+    if call.cross_attention and not variant.supports_cross_attention:
+        raise ValueError(
+            f"attention-zoo variant {variant.name!r} does not support cross-attention (query length {q.shape[-2]}, "
+            f"key length {k.shape[-2]}): its pattern is defined over positions of one sequence. Keep the "
+            "cross-attention layers on transformers' attention (attention-zoo replaces every layer's attention, so "
+            "use a model without add_cross_attention), or pick a variant that supports it (sdpa, dense)."
+        )
+    if call.causal and not call.decoding and q.shape[-2] < k.shape[-2]:  # a caller of its own (tests, hybrid)
+        call = dataclasses.replace(call, decoding=True)
     if call.causal and not variant.supports_causal:
         raise ValueError(f"attention-zoo variant {variant.name!r} does not support causal attention.")
     if not call.causal and not variant.supports_bidirectional:
         raise ValueError(f"attention-zoo variant {variant.name!r} supports causal attention only.")
-    if call.dropout > 0 and call.training and not variant.supports_dropout:
+    if call.effective_dropout > 0 and not variant.supports_dropout:
         raise ValueError(
             f"attention-zoo variant {variant.name!r} does not support attention dropout (got p={call.dropout}). "
             "Set the model's attention dropout to 0 (e.g. config.attention_probs_dropout_prob=0.0 for BERT, "
             "attention_dropout=0.0 for Llama/ModernBERT)."
         )
     out = variant.attend(q, k, v, call)
-    if call.padding_mask is not None and (call.causal or out.shape[-2] == call.padding_mask.shape[-1]):
-        # causal queries are the last keys (the new tokens when a cache holds earlier ones)
+    if call.padding_mask is not None and not call.cross_attention:
+        # the queries are the last keys (the new tokens when a cache holds earlier ones)
         out = out.masked_fill(~call.padding_mask[:, None, -out.shape[-2] :, None], 0.0)
     return out
 

@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 import zoo
 from zoo.hf import run_variant
 from zoo.ops import allowed_mask, softmax_attention
+from zoo.pattern import row_starts
 from zoo.registry import get_variant_class
 from zoo.variant import AttentionCall, Variant
 from zoo.weights import WEIGHTS_NAME, build
@@ -98,6 +99,7 @@ def make_call(
     if variant is not None and "weights" not in kwargs:
         weights = make_weights(variant, heads=heads, head_dim=head_dim)
         kwargs["weights"] = weights.to(dtype) if weights is not None else None
+    kwargs.setdefault("row_start", row_starts(padding_mask))  # as the plug sets it: where each row's tokens start
     return AttentionCall(causal=causal, scaling=head_dim**-0.5, padding_mask=padding_mask, **kwargs)
 
 
@@ -156,14 +158,14 @@ def reference(variant: Variant, q, k, v, call: AttentionCall) -> torch.Tensor:
     """What the kernel must equal (exact) or approximate: the variant's own ``reference`` if it defines
     one, else softmax attention restricted to its pattern, causality and padding (O(n²), tests only).
     Padded query rows are zero, as :func:`zoo.hf.run_variant` makes them."""
-    if hasattr(variant, "reference"):
+    if variant.overrides("reference"):
         out = variant.reference(q, k, v, call)
     else:
         pattern = variant.pattern(call, q.shape[-2], k.shape[-2])
         allowed = allowed_mask(call, pattern, q.shape[0], q.shape[1], q.shape[-2], k.shape[-2], q.device)
         out = softmax_attention(q, k, v, allowed, call.scaling)
-    if call.padding_mask is not None and out.shape[-2] == call.padding_mask.shape[-1]:
-        out = out.masked_fill(~call.padding_mask[:, None, :, None], 0.0)
+    if call.padding_mask is not None and not call.cross_attention:
+        out = out.masked_fill(~call.padding_mask[:, None, -out.shape[-2] :, None], 0.0)
     return out
 
 
@@ -305,3 +307,96 @@ def assert_weights_train_and_reload(model: transformers.PreTrainedModel, inputs:
     state = reloaded.state_dict()
     for key, param in named.items():
         torch.testing.assert_close(state[key], param.detach(), atol=0, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
+
+
+# ------------------------------------------------------------------------------------------------------
+# decoding
+
+DECODE_PROMPT_LENGTH = 40  # longer than every test_params window, stride and block of the built-ins
+DECODE_NEW_TOKENS = 6
+
+
+def causal_lm(name: str, **params) -> transformers.PreTrainedModel:
+    """A tiny 2-layer Llama (GQA) running variant ``name`` with its ``test_params`` and ``params``, in eval mode,
+    its output embeddings scaled so that greedy choices of an untrained model are not ties."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_model_config("llama", name, **params)).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8)
+    return model
+
+
+def decode_prompts(length: int = DECODE_PROMPT_LENGTH, batch: int = 2, left_pad: int = 5):
+    """``input_ids`` (batch, length) and an ``attention_mask`` whose first row is left-padded by ``left_pad``."""
+    ids = torch.randint(3, 64, (batch, length), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :left_pad] = 0
+    return ids, mask
+
+
+def greedy(model: transformers.PreTrainedModel, ids, mask, new_tokens: int = DECODE_NEW_TOKENS, **kwargs):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                          **kwargs)
+
+
+def decoding_refusal(model: transformers.PreTrainedModel) -> str | None:
+    """The variant's documented refusal to decode with a cache (its ``cache_layer`` raises), or None."""
+    try:
+        zoo.make_cache(model)
+    except (ValueError, NotImplementedError) as exc:
+        return str(exc)
+    return None
+
+
+def assert_decodes_like_the_full_forward(name: str, **params) -> None:
+    """Greedy ``generate`` with the variant's own cache gives the tokens of ``generate(use_cache=False)`` (a full
+    forward per step), on a batch with a left-padded row and prompts longer than any window of its
+    ``test_params``. A variant whose cache is refused must refuse ``generate`` too (with its message)."""
+    model = causal_lm(name, **params)
+    ids, mask = decode_prompts()
+    with torch.no_grad():
+        full = greedy(model, ids, mask, use_cache=False)
+        refusal = decoding_refusal(model)
+        if refusal is not None:
+            try:
+                greedy(model, ids, mask)
+            except (ValueError, NotImplementedError):
+                return
+            raise AssertionError(f"{name}: make_cache refuses ({refusal}) but generate with a cache ran")
+        cached = greedy(model, ids, mask)
+    if not torch.equal(cached, full):
+        raise AssertionError(
+            f"attention-zoo variant {name!r}: greedy decoding with its cache differs from the full forward "
+            f"(left-padded batch, prompt of {ids.shape[-1]} tokens):\ncached {cached[:, ids.shape[-1]:].tolist()}\n"
+            f"full   {full[:, ids.shape[-1]:].tolist()}. Its cache drops keys its pattern still reaches, or its "
+            "decoding path reads other keys than its pattern."
+        )
+
+
+def declares_bounded_cache(name: str, **params) -> bool:
+    """True when the variant decodes with a cache that does not grow with the context (windowed or recurrent)."""
+    from zoo.cache import RecurrentLayer, WindowedLayer
+
+    config = tiny_model_config("llama", name, **params)
+    try:
+        cache = zoo.make_cache(config)
+    except (ValueError, NotImplementedError):
+        return False
+    return all(isinstance(layer, (WindowedLayer, RecurrentLayer)) for layer in cache.layers)
+
+
+def assert_cache_bytes_bounded(name: str, lengths: tuple[int, int] = (64, 96), **params) -> None:
+    """A bounded cache holds the same bytes after decoding from prompts of two lengths."""
+    from zoo.cache import cache_nbytes
+
+    model = causal_lm(name, **params)
+    sizes = []
+    for length in lengths:
+        with torch.no_grad():
+            out = greedy(model, *decode_prompts(length), return_dict_in_generate=True)
+        sizes.append(cache_nbytes(out.past_key_values))
+    if sizes[0] != sizes[1]:
+        raise AssertionError(
+            f"attention-zoo variant {name!r} declares a bounded decoding cache, but it holds {sizes[0]} bytes after a "
+            f"{lengths[0]}-token prompt and {sizes[1]} after a {lengths[1]}-token one."
+        )

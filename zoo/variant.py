@@ -21,9 +21,9 @@ from typing import Any, ClassVar
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
-logger = logging.getLogger(__name__)
+from zoo.pattern import Pattern
 
-IndexPredicate = Callable[[Any, Any, Any, Any], Any]
+logger = logging.getLogger(__name__)
 
 
 class VariantParameterError(ValueError):
@@ -123,6 +123,12 @@ class AttentionCall:
 
     ``weights`` is this layer's module from :meth:`Variant.make_module` (None for variants without learned
     weights); read it with :meth:`Variant.layer_weights`.
+
+    Set once by the plug so kernels need not re-derive them: ``positions`` (kv_len,) long, the token position of each
+    key (None: 0 .. kv_len - 1; a windowed cache hands over sinks and the recent keys); ``decoding``: the queries are
+    the newest tokens over a cache holding earlier ones (the queries are always the last ``q_len`` keys);
+    ``row_start`` (batch,) long: each row's first real token (left padding), None when every row starts at 0;
+    ``cross_attention``: the keys come from another sequence (an encoder), ``padding_mask`` covers those keys.
     """
 
     causal: bool
@@ -133,9 +139,25 @@ class AttentionCall:
     layer_idx: int = 0
     extra: dict = field(default_factory=dict)
     state: dict = field(default_factory=dict)
-    module: torch.nn.Module | None = None
     cache: Any = None
     weights: torch.nn.Module | None = None
+    positions: torch.Tensor | None = None
+    decoding: bool = False
+    row_start: torch.Tensor | None = None
+    cross_attention: bool = False
+
+    @property
+    def effective_dropout(self) -> float:
+        """The attention dropout probability this call applies: ``dropout`` in training, else 0."""
+        return self.dropout if self.training else 0.0
+
+    def key_positions(self, kv_len: int, device=None) -> torch.Tensor:
+        """(kv_len,) token positions of the keys."""
+        return self.positions if self.positions is not None else torch.arange(kv_len, device=device)
+
+    def query_positions(self, q_len: int, kv_len: int, device=None) -> torch.Tensor:
+        """(q_len,) token positions of the queries: the last ``q_len`` keys."""
+        return self.key_positions(kv_len, device)[kv_len - q_len :]
 
 
 class Variant:
@@ -281,21 +303,57 @@ class Variant:
             )
         return call.weights
 
-    def pattern(self, call: AttentionCall, q_len: int, kv_len: int) -> IndexPredicate | None:
-        """Index predicate of the keys each query may see, before causality and padding; None = all."""
+    supports_cross_attention: ClassVar[bool] = False
+
+    def pattern(self, call: AttentionCall, q_len: int, kv_len: int) -> Pattern | None:
+        """The keys each query may see, before causality and padding (:class:`zoo.pattern.Pattern`); None = all.
+
+        The one definition the reference, the decoding masks, the default cache and (for pattern-only plugins)
+        the chunked kernel read."""
         return None
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+    def reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        """Optional hook: the O(n²) readable definition of an attention that is not softmax restricted to
+        ``pattern`` (e.g. ``linear``); tests only. A variant declares it by overriding it (:meth:`overrides`)."""
         raise NotImplementedError
+
+    @classmethod
+    def overrides(cls, hook: str) -> bool:
+        """True when this class overrides the optional hook ``hook`` of :class:`Variant` (e.g. ``"reference"``)."""
+        return getattr(cls, hook) is not getattr(Variant, hook)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        """The kernel. The default runs the variant's pattern on the shared chunked kernels
+        (:func:`zoo.ops.patterned.pattern_attention`) when it carries block hints (``block_size``, ``key_blocks``)."""
+        pattern = self.pattern(call, q.shape[-2], k.shape[-2])
+        if pattern is None or pattern.key_blocks is None:
+            raise NotImplementedError(
+                f"attention-zoo variant {self.name!r} has no kernel: implement attend(), or return from pattern() a "
+                "zoo.pattern.Pattern with block_size and key_blocks (e.g. zoo.pattern.band_key_blocks) to run it on "
+                "the shared chunked kernels."
+            )
+        from zoo.ops.patterned import pattern_attention  # zoo.ops imports this module
+
+        return pattern_attention(q, k, v, call, pattern)
 
     def cache_layer(self, layer_idx: int, config: Any) -> CacheLayerMixin:
         """The decoding cache layer of one decoder layer (``config``: the model's text config).
 
-        The default keeps every key and value (transformers' ``DynamicLayer``). Variants that need less return
-        a layer of :mod:`zoo.cache` (a window with sinks, a recurrent state) and read it back in ``attend``
-        through ``call.cache``.
+        The default follows the variant's causal pattern (:func:`zoo.cache.pattern_cache_layer`): a finite
+        ``reach`` keeps the sinks and the last ``reach`` keys (a :class:`zoo.cache.WindowedLayer`); otherwise every
+        key (transformers' ``DynamicLayer``). Variants that need something else (a recurrent state) return a layer
+        of :mod:`zoo.cache` and read it back in ``attend`` through ``call.cache``.
         """
-        return DynamicLayer()
+        from zoo.cache import pattern_cache_layer  # zoo.cache imports this module
+
+        return pattern_cache_layer(self, layer_idx)
+
+    def declares_bounded_cache(self) -> bool:
+        """True when decoding memory does not grow with the context (a windowed or recurrent cache)."""
+        from zoo.cache import GrowingLayer
+
+        layer = self.cache_layer(0, None)
+        return not isinstance(layer, (DynamicLayer, GrowingLayer)) or getattr(layer, "bounded", False)
 
     @classmethod
     def describe(cls) -> dict[str, Any]:

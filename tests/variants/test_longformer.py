@@ -205,14 +205,17 @@ def test_global_attention_mask_reaches_the_kernel_through_bert():
     torch.testing.assert_close(marked[0], fixed(input_ids=ids[:1]).last_hidden_state[0], atol=1e-5, rtol=1e-4)
 
 
-def test_global_tokens_default_by_mode_and_padding_is_never_global():
+def test_global_tokens_default_by_mode_and_count_from_the_first_real_token():
     variant = LongformerAttention()
     n = 10
     assert variant.global_mask(make_call(causal=False), n).nonzero().tolist() == [[0, 0]]
     assert variant.global_mask(make_call(causal=True), n) is None
     left_padded = torch.ones(1, n, dtype=torch.bool)
     left_padded[0, :3] = False
-    assert variant.global_mask(make_call(padding_mask=left_padded), n) is None
+    # the first real token of a left-padded row is global (global_tokens count from each row's first real token)
+    assert variant.global_mask(make_call(padding_mask=left_padded), n).nonzero().tolist() == [[0, 3]]
+    no_row_start = make_call(padding_mask=left_padded, row_start=None)  # position 0 is padding: never global
+    assert variant.global_mask(no_row_start, n) is None
     assert LongformerAttention(global_tokens=[2, 500]).global_mask(make_call(), n).nonzero().tolist() == [[0, 2]]
 
 

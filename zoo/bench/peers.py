@@ -13,8 +13,18 @@ import torch
 from torch import nn
 
 from zoo.bench.contestants import Contestant, PatternFn, QKVProjections, merge_heads
+from zoo.pattern import (
+    Pattern,
+    TokenSet,
+    and_masks,
+    band,
+    causal_mask_function,
+    global_columns,
+    global_rows,
+    union,
+)
 from zoo.registry import get_variant_class
-from zoo.variant import AttentionCall, IndexPredicate, VariantParameterError
+from zoo.variant import AttentionCall, VariantParameterError
 
 
 class Peer(Contestant):
@@ -71,14 +81,13 @@ def _first(value: Any) -> Any:
 
 
 def _window_pattern(each_side: int, global_tokens: tuple[int, ...] = (), causal: bool = False) -> PatternFn:
-    def pattern(call: AttentionCall, q_len: int, kv_len: int) -> IndexPredicate:
-        def predicate(b, h, q, kv):
-            near = (q - kv).abs() <= each_side if not causal else (q - kv <= each_side) & (kv <= q)
-            for g in global_tokens:
-                near = near | (kv == g) | (q == g)
-            return near
+    """The peer's pattern from :mod:`zoo.pattern`'s predicates: a band of ``each_side`` and global rows/columns."""
+    tokens = TokenSet(tuple(global_tokens))
+    rule = union([band(each_side), *([global_rows(tokens), global_columns(tokens)] if global_tokens else [])])
+    rule = and_masks(rule, causal_mask_function) if causal else rule
 
-        return predicate
+    def pattern(call: AttentionCall, q_len: int, kv_len: int) -> Pattern:
+        return Pattern(rule, reach=each_side)
 
     return pattern
 

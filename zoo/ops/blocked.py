@@ -48,7 +48,7 @@ def blocked_attention(
         k_blocks.reshape(b * h, g, nk, d),
         v_blocks.reshape(b * h, g, nk, v_blocks.shape[-1]),
         attn_mask=allowed,
-        dropout_p=call.dropout if call.training else 0.0,
+        dropout_p=call.effective_dropout,
         scale=call.scaling,
     )
     return out.view(b, h, g, nq, -1)
@@ -66,6 +66,6 @@ def rows_attention(
         k,
         v,
         attn_mask=allowed,
-        dropout_p=call.dropout if call.training else 0.0,
+        dropout_p=call.effective_dropout,
         scale=call.scaling,
     )

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import repeat_kv
-from transformers.masking_utils import and_masks, causal_mask_function, padding_mask_function
 
-from zoo.variant import AttentionCall, IndexPredicate
+from zoo.pattern import MaskMod, dense_mask
+from zoo.variant import AttentionCall
 
 
 def expand_kv(key: torch.Tensor, value: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,7 +26,7 @@ def expand_kv(key: torch.Tensor, value: torch.Tensor, num_heads: int) -> tuple[t
 
 def allowed_mask(
     call: AttentionCall,
-    pattern: IndexPredicate | None,
+    pattern: MaskMod | None,
     batch: int,
     heads: int,
     q_len: int,
@@ -35,26 +35,12 @@ def allowed_mask(
 ) -> torch.Tensor | None:
     """Dense ``(batch|1, heads|1, q_len, kv_len)`` bool mask of allowed (query, key) pairs.
 
-    Combines the variant's pattern with causality and padding. It is O(n²): used by the ``dense``
-    reference variant and by tests, never by a sub-quadratic kernel. Queries are aligned to the end of
-    the keys (a KV cache holds ``kv_len - q_len`` earlier tokens).
+    The pattern (a :class:`zoo.pattern.Pattern` or any mask_mod) with causality and padding
+    (:func:`zoo.pattern.dense_mask`). It is O(n²): used by the ``dense`` reference variant and by tests, never by a
+    sub-quadratic kernel. Queries are the last ``q_len`` keys, at ``call.positions``.
     """
-    parts = []
-    if pattern is not None:
-        parts.append(pattern)
-    if call.causal:
-        parts.append(causal_mask_function)
-    if call.padding_mask is not None:
-        parts.append(padding_mask_function(call.padding_mask.to(device)))
-    if not parts:
-        return None
-    predicate = and_masks(*parts) if len(parts) > 1 else parts[0]
-    b = torch.arange(batch, device=device)[:, None, None, None]  # patterns may depend on the batch row
-    h = torch.arange(heads, device=device)[None, :, None, None]
-    q = torch.arange(kv_len - q_len, kv_len, device=device)[None, None, :, None]
-    kv = torch.arange(kv_len, device=device)[None, None, None, :]
-    mask = predicate(b, h, q, kv)
-    return mask.expand(mask.shape[0], mask.shape[1], q_len, kv_len)
+    positions = call.positions.to(device) if call.positions is not None else None
+    return dense_mask(pattern, call.causal, call.padding_mask, batch, heads, q_len, kv_len, device, positions)
 
 
 def softmax_attention(
@@ -111,7 +97,7 @@ def sdpa_real_tokens_first(q, k, v, real: torch.Tensor, call: AttentionCall) -> 
     if not call.causal:  # causal: a real query only sees earlier slots, all real
         key_real = (torch.arange(order.shape[1], device=q.device) < lengths[:, None])[:, None, None, :]
     out = F.scaled_dot_product_attention(
-        *front, attn_mask=key_real, dropout_p=call.dropout if call.training else 0.0, is_causal=call.causal,
+        *front, attn_mask=key_real, dropout_p=call.effective_dropout, is_causal=call.causal,
         scale=call.scaling,
     )
     return q.new_zeros(q.shape).scatter(2, index, out)

@@ -57,7 +57,7 @@ class Dropout:
     @classmethod
     def of(cls, call: AttentionCall) -> Dropout:
         """The call's dropout: a fresh seed from torch's default generator in training with p > 0."""
-        p = call.dropout if call.training else 0.0
+        p = call.effective_dropout
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"attention-zoo: attention dropout must be in [0, 1], got {p}.")
         if p == 0.0:

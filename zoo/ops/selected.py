@@ -13,10 +13,8 @@ from collections.abc import Callable
 import torch
 
 from zoo.ops.blocked import rows_attention
+from zoo.pattern import MaskMod
 from zoo.variant import AttentionCall
-
-# (rows of the queries, key indices (K',) or (H, K'), query positions (C, 1), key positions (1|H, 1, K')) -> mask
-PatternMask = Callable[[slice, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def selected_attention(
@@ -24,20 +22,24 @@ def selected_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     call: AttentionCall,
-    query_positions: torch.Tensor,
-    key_positions: torch.Tensor,
     select: Callable[[slice], slice | torch.Tensor | None],
-    allowed: PatternMask | None = None,
+    pattern: MaskMod | None = None,
+    valid: Callable[[slice, torch.Tensor], torch.Tensor] | None = None,
     chunk: int = 64,
 ) -> torch.Tensor:
-    """Causal softmax attention of queries q (B, H, Q, D) at ``query_positions`` (Q,) over the keys k/v
-    (B, H, K, D) at ``key_positions`` (K,), restricted per chunk of ``chunk`` queries to the keys ``select(rows)``
-    names: a slice (views, no copy; None = all keys) or indices, (K',) shared by the heads or (H, K') per head.
-    ``allowed(rows, index, query positions (C, 1), key positions (1|H, 1, K'))`` refines the
-    pattern inside the selection (bool, broadcastable to (B|1, H|1, C, K')); causality and ``call.padding_mask``
-    (B|1, K) are applied on top. Returns (B, H, Q, Dv); a query with no allowed key outputs zeros.
+    """Causal softmax attention of the newest queries q (B, H, Q, D) over the keys k/v (B, H, K, D) at
+    ``call.positions`` (the queries are the last Q keys), restricted per chunk of ``chunk`` queries to the keys
+    ``select(rows)`` names: a slice (views, no copy; None = all keys) or indices, (K',) shared by the heads or
+    (H, K') per head. Inside the selection the variant's ``pattern`` (a mask_mod over token positions), causality and
+    ``call.padding_mask`` (B|1, K) decide; ``valid(rows, index) -> (1|H, K')`` bool drops selected slots that are
+    not keys of the pattern (e.g. repeats of a clamped index). Returns (B, H, Q, Dv); a query with no allowed key
+    outputs zeros.
     """
     batch, heads, count, _ = q.shape
+    key_positions = call.key_positions(k.shape[-2], q.device)
+    query_positions = key_positions[k.shape[-2] - count :]
+    b = torch.arange(batch, device=q.device)[:, None, None, None]
+    h = torch.arange(heads, device=q.device)[None, :, None, None]
     outs = []
     for start in range(0, count, chunk):
         rows = slice(start, min(start + chunk, count))
@@ -45,16 +47,18 @@ def selected_attention(
         if index is None:
             index = slice(None)
         keys, values = _gather(k, index), _gather(v, index)
-        q_pos = query_positions[rows][:, None]
+        q_pos = query_positions[rows][:, None]  # (C, 1)
         k_pos = key_positions[index][..., None, :]  # (1, K') or (H, 1, K')
         per_head = isinstance(index, torch.Tensor) and index.dim() == 2
-        mask = k_pos <= q_pos
-        if allowed is not None:
-            mask = mask & allowed(rows, index, q_pos, k_pos)
+        k_pos = k_pos if per_head else k_pos[None]  # (1|H, 1, K')
+        mask = (k_pos <= q_pos)[None]
+        if pattern is not None:
+            mask = mask & pattern(b, h, q_pos, k_pos)
+        if valid is not None:
+            mask = mask & valid(rows, index)[:, None, :]
         if call.padding_mask is not None:
             real = call.padding_mask[:, index]  # (B, K') or (B, H, K')
             mask = mask & (real[:, :, None, :] if per_head else real[:, None, None, :])
-        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
         outs.append(rows_attention(q[:, :, rows], keys, values, mask, call))
     return torch.cat(outs, dim=2)
 

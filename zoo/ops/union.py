@@ -109,7 +109,7 @@ def union_attention(parts: list[KeyPart | GatheredPart], call: AttentionCall) ->
         tensors = [x for part in parts for x in _tensors(part)]
         return _FlashUnion.apply(call.scaling, specs, Dropout.of(call), *tensors)
     parts = [part.as_key_part() if isinstance(part, GatheredPart) else part for part in parts]
-    return _materialized_union(parts, call.scaling, call.dropout if call.training else 0.0)
+    return _materialized_union(parts, call.scaling, call.effective_dropout)
 
 
 # -------------------------------------------------------------------------------------------------------

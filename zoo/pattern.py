@@ -1,0 +1,240 @@
+"""Attention patterns: which keys each query may see, said once per variant as one :class:`Pattern`.
+
+A pattern's predicate is a ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` -- the shape of
+``transformers.masking_utils`` mask functions and of FlexAttention's ``mask_mod`` -- over broadcastable index
+tensors (token positions in the sequence the model sees: 0 .. tokens seen - 1). Variants compose it from the small
+named predicates below with :func:`or_masks` / :func:`and_masks` (transformers' own). It says nothing about
+causality or padding: the plug (:func:`zoo.hf.zoo_attention_forward`) adds those once, with transformers'
+``causal_mask_function`` and ``padding_mask_function`` (:func:`with_causality_and_padding`).
+
+Beside the predicate a pattern carries structural hints that the exact kernels, the decoding cache and FLOPs read
+instead of restating the rule:
+
+* ``reach``: no query at position p sees a key before ``p - reach`` other than the ``sinks`` (a band's reach);
+  None when a query may reach any earlier key. A finite reach gives the default decoding cache: a
+  :class:`zoo.cache.WindowedLayer` keeping the sinks and the last ``reach`` keys; otherwise every key is kept.
+* ``sinks``: a :class:`TokenSet` of keys every query sees (global columns, summary columns), kept forever by the
+  windowed cache; ``global_queries``: the rows that see every key (the cache keeps every key until they passed).
+* ``block_size`` and ``key_blocks``: the key blocks each query block reads (a superset of the pattern), so a
+  chunked kernel gathers only those (BigBird's layout; a band's neighbouring blocks).
+
+Where each built-in pattern is defined: ``variants/longformer.py`` (``LongformerAttention.pattern``),
+``variants/xformers.py`` (``XFormersAttention.pattern``), ``variants/bigbird.py`` (``BigBirdAttention.pattern``
+over its cached ``BlockLayout``), ``variants/sparse_transformer.py`` (``SparseTransformerAttention.pattern``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.masking_utils import and_masks, causal_mask_function, or_masks, padding_mask_function
+
+MaskMod = Callable[[Any, Any, Any, Any], Any]
+"""``(b, h, q_idx, kv_idx) -> bool``: the predicate of a pattern (FlexAttention's ``mask_mod``)."""
+
+__all__ = [
+    "MaskMod",
+    "Pattern",
+    "TokenSet",
+    "and_masks",
+    "band",
+    "band_key_blocks",
+    "causal_mask_function",
+    "global_columns",
+    "global_rows",
+    "or_masks",
+    "padding_mask_function",
+    "residue_columns",
+    "row_starts",
+    "same_block",
+    "summary_columns",
+    "with_causality_and_padding",
+]
+
+
+# ------------------------------------------------------------------------------------------------------
+# named predicates
+
+
+def band(reach: int, dilation: int = 1) -> MaskMod:
+    """``|q − kv| ≤ reach`` and ``(q − kv) mod dilation == 0``: a (dilated) sliding window."""
+
+    def band_mask(b, h, q_idx, kv_idx):
+        offset = q_idx - kv_idx
+        inside = offset.abs() <= reach
+        return inside if dilation == 1 else inside & (offset % dilation == 0)
+
+    return band_mask
+
+
+def residue_columns(stride: int) -> MaskMod:
+    """``(q − kv) mod stride == 0``: every stride-th key counted from the query (Sparse Transformer's columns)."""
+
+    def residue_mask(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx) % stride == 0
+
+    return residue_mask
+
+
+def same_block(size: int) -> MaskMod:
+    """``⌊q / size⌋ == ⌊kv / size⌋``: the query's own block."""
+
+    def same_block_mask(b, h, q_idx, kv_idx):
+        return q_idx // size == kv_idx // size
+
+    return same_block_mask
+
+
+def summary_columns(stride: int, count: int) -> MaskMod:
+    """``kv mod stride ≥ stride − count``: the last ``count`` tokens of every block of ``stride`` (for everyone)."""
+
+    def summary_mask(b, h, q_idx, kv_idx):
+        return kv_idx % stride >= stride - count
+
+    return summary_mask
+
+
+@dataclass(frozen=True)
+class TokenSet:
+    """Tokens singled out by position (global tokens, sinks): ``offsets`` count from each row's first real token
+    (``row_start``, (B|1,) long, None = every row starts at 0) and ``marked`` (B|1, L) bool marks positions of the
+    sequence itself (a per-row ``global_attention_mask`` over the first L tokens). ``set(b, idx) -> bool``."""
+
+    offsets: tuple[int, ...] = ()
+    marked: torch.Tensor | None = None
+    row_start: torch.Tensor | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.offsets) or (self.marked is not None and bool(self.marked.any()))
+
+    def last_position(self) -> int:
+        """The largest position any row has in the set (-1 when empty)."""
+        last = -1
+        if self.offsets:
+            last = max(self.offsets) + (int(self.row_start.max()) if self.row_start is not None else 0)
+        if self.marked is not None and bool(self.marked.any()):
+            last = max(last, int(self.marked.any(0).nonzero().max()))
+        return last
+
+    def __call__(self, b, idx):
+        member = torch.zeros_like(torch.as_tensor(idx), dtype=torch.bool)
+        if self.offsets:
+            rank = idx if self.row_start is None else idx - self.row_start[_rows(self.row_start, b)]
+            wanted = torch.tensor(self.offsets, dtype=rank.dtype, device=rank.device)
+            member = torch.isin(rank, wanted)
+        if self.marked is not None:
+            marked = self.marked.to(torch.as_tensor(idx).device)
+            inside = idx < marked.shape[-1]
+            member = member | (marked[_rows(marked, b), idx.clamp(max=marked.shape[-1] - 1)] & inside)
+        return member
+
+
+def _rows(per_row: torch.Tensor, b):
+    """The row index into ``per_row`` (B|1, ...) for batch index ``b`` (a tensor, or None outside a batch)."""
+    if per_row.shape[0] == 1 or b is None:
+        return torch.zeros((), dtype=torch.long, device=per_row.device) if b is None else torch.zeros_like(b)
+    return b
+
+
+def global_rows(tokens: TokenSet) -> MaskMod:
+    """Queries in ``tokens`` see every key."""
+
+    def global_rows_mask(b, h, q_idx, kv_idx):
+        return tokens(b, q_idx)
+
+    return global_rows_mask
+
+
+def global_columns(tokens: TokenSet) -> MaskMod:
+    """Keys in ``tokens`` are seen by every query."""
+
+    def global_columns_mask(b, h, q_idx, kv_idx):
+        return tokens(b, kv_idx)
+
+    return global_columns_mask
+
+
+def row_starts(padding_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """(B,) position of each row's first real token (left padding), or None when every row starts at 0."""
+    if padding_mask is None:
+        return None
+    starts = padding_mask.to(torch.uint8).argmax(-1)
+    return starts if bool(starts.any()) else None
+
+
+def with_causality_and_padding(mask_mod: MaskMod | None, causal: bool, padding_mask: torch.Tensor | None):
+    """``mask_mod`` and causality and padding (``padding_mask`` (B, kv_len) over the key positions), or None."""
+    parts = [m for m in (mask_mod, causal_mask_function if causal else None) if m is not None]
+    if padding_mask is not None:
+        parts.append(padding_mask_function(padding_mask))
+    if not parts:
+        return None
+    return and_masks(*parts) if len(parts) > 1 else parts[0]
+
+
+# ------------------------------------------------------------------------------------------------------
+# the pattern object
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """Which keys each query may see (before causality and padding), and the hints derived from the same rule.
+
+    Calling a pattern evaluates its predicate: ``pattern(b, h, q_idx, kv_idx)``.
+    """
+
+    mask_mod: MaskMod
+    reach: int | None = None
+    sinks: TokenSet | None = None
+    global_queries: TokenSet | None = None
+    block_size: int | None = None
+    key_blocks: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return self.mask_mod(b, h, q_idx, kv_idx)
+
+
+def dense_mask(mask_mod: MaskMod | None, causal: bool, padding_mask, batch: int, heads: int, q_len: int, kv_len: int,
+               device=None, positions: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The O(n²) mask of ``mask_mod`` with causality and padding; None when nothing restricts the call."""
+    device = device if device is not None else (padding_mask.device if padding_mask is not None else "cpu")
+    if positions is None:
+        positions = torch.arange(kv_len, device=device)
+    padded = None
+    if padding_mask is not None:  # padding_mask_function indexes by position: spread it over the positions
+        padded = torch.zeros(padding_mask.shape[0], int(positions.max()) + 1, dtype=torch.bool, device=device)
+        padded[:, positions] = padding_mask.to(device)
+    predicate = with_causality_and_padding(mask_mod, causal, padded)
+    if predicate is None:
+        return None
+    b = torch.arange(batch, device=device)[:, None, None, None]
+    h = torch.arange(heads, device=device)[None, :, None, None]
+    q = positions[kv_len - q_len :][None, None, :, None]
+    kv = positions[None, None, None, :]
+    mask = predicate(b, h, q, kv)
+    return mask.expand(mask.shape[0], mask.shape[1], q_len, kv_len)
+
+
+def band_key_blocks(reach: int, block: int, sinks: TokenSet | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A ``key_blocks`` hint: the key blocks within ``reach`` of each query block and, first, the blocks holding
+    ``sinks`` (the positions up to its last one). Returns fn(query blocks (G,)) -> (G, R) (out-of-range allowed)."""
+    side = -(-reach // block)
+    around = torch.arange(-side, side + 1)
+    sink_blocks = torch.arange(-(-(sinks.last_position() + 1) // block)) if sinks else torch.zeros(0, dtype=torch.long)
+
+    def key_blocks(query_blocks: torch.Tensor) -> torch.Tensor:
+        band_part = query_blocks[:, None] + around.to(query_blocks.device)
+        return torch.cat([sink_blocks.to(query_blocks.device).expand(len(query_blocks), -1), band_part], -1)
+
+    return key_blocks
+
+
+def union(parts: Sequence[MaskMod | None]) -> MaskMod | None:
+    """``or_masks`` of the parts that are not None (None when none is)."""
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return None
+    return or_masks(*parts) if len(parts) > 1 else parts[0]
