@@ -29,7 +29,7 @@ from transformers.masking_utils import flash_attention_mask
 
 from zoo import _patches
 from zoo.cache import LAYER_KWARG, CacheRollbackError, ZooCache
-from zoo.ops import expand_kv
+from zoo.ops import expand_kv, flex
 from zoo.registry import UnknownVariantError, get_variant_class, variant_source
 from zoo.variant import AttentionCall, Variant
 from zoo.weights import WEIGHTS_NAME, attach, initialize_missing
@@ -248,7 +248,6 @@ def zoo_attention_forward(
             f"attention-zoo variant {variant.name!r}: cross-attention (query length {q_len}, key length "
             f"{kv_len}) is not supported; use it for self-attention."
         )
-    key, value = expand_kv(key, value, query.shape[1])
     spec = getattr(config, CONFIG_KEY)
     padding_mask = attention_mask.bool() if attention_mask is not None else None
     cache_layer = kwargs.pop(LAYER_KWARG, None)  # our cache layer, handed over by its update() (zoo.cache)
@@ -274,7 +273,8 @@ def zoo_attention_forward(
 def run_variant(
     variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall
 ) -> torch.Tensor:
-    """Check the call against what the variant supports, run its kernel, zero padded query rows."""
+    """Check the call against what the variant supports, run its kernel (or FlexAttention, :mod:`zoo.ops.flex`),
+    zero padded query rows. ``k``/``v`` may have fewer (grouped) heads than ``q``."""
     if call.causal and not variant.supports_causal:
         raise ValueError(f"attention-zoo variant {variant.name!r} does not support causal attention.")
     if not call.causal and not variant.supports_bidirectional:
@@ -285,7 +285,10 @@ def run_variant(
             "Set the model's attention dropout to 0 (e.g. config.attention_probs_dropout_prob=0.0 for BERT, "
             "attention_dropout=0.0 for Llama/ModernBERT)."
         )
-    out = variant.attend(q, k, v, call)
+    if flex.use_flex(variant, q, k, call):  # FlexAttention hook (zoo.ops.flex): GQA keys stay unexpanded
+        out = flex.attend(variant, q, k, v, call)
+    else:
+        out = variant.attend(q, *expand_kv(k, v, q.shape[1]), call)
     if call.padding_mask is not None and (call.causal or out.shape[-2] == call.padding_mask.shape[-1]):
         # causal queries are the last keys (the new tokens when a cache holds earlier ones)
         out = out.masked_fill(~call.padding_mask[:, None, -out.shape[-2] :, None], 0.0)

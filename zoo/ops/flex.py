@@ -1,0 +1,313 @@
+"""FlexAttention for exact pattern variants: a ``BlockMask`` built from the variant's pattern (composed with causality
+and padding), cached, and one call of compiled ``torch.nn.attention.flex_attention``.
+
+Which backend runs (:func:`use_flex`), set with :func:`attention_backend` (a context manager) or per process:
+
+* ``"auto"`` (default): Flex on CUDA for every exact variant with a pattern; on CPU only for inference (no
+  gradient: FlexAttention has no backward on CPU) and only from the length where it measured faster than the
+  variant's chunked kernel (:data:`CPU_CROSSOVER`; variants not listed keep the chunked kernel on CPU). A call
+  Flex cannot run (attention dropout, decoding steps, learned per-layer weights...) takes the chunked kernel,
+  with one log line per reason.
+* ``"flex"``: every call through Flex; a call it cannot run raises, naming why (tests and benchmarks).
+* ``"chunked"``: the variant's own kernel (``Variant.attend``) always.
+
+The block mask is never built from an n x n tensor: the pattern predicate is evaluated on query chunks of at most
+:data:`EVAL_ELEMENTS` (query, key) pairs and reduced to per-block counts at once (O(n²) predicate evaluations, O(n)
+memory per chunk). A pattern that covers whole tiles of some size (BigBird's blocks) is then looked up per tile
+inside the kernel (so it need not be traceable); any other pattern's predicate runs inside the kernel on the
+partial blocks (it must be traceable by torch.compile: index arithmetic and indexing of captured tensors).
+Masks are cached per (pattern identity, causality, padding, shape, device): layers with the same pattern share one.
+Compilation uses ``dynamic=True``, so prompts of new lengths do not recompile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import types
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from transformers.masking_utils import and_masks, causal_mask_function, padding_mask_function
+
+from zoo.variant import AttentionCall, IndexPredicate, Variant
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "flex", "chunked")
+FLEX_BLOCK = 128  # FlexAttention's tile (its default)
+EVAL_ELEMENTS = 1 << 24  # (query, key) pairs per chunk while evaluating a pattern into block counts
+MASK_CACHE_SIZE = 32
+FINGERPRINT_ELEMENTS = 1 << 20  # captured tensors up to this size count by value, larger ones by identity
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# CPU, eval forward: the length from which compiled Flex beat the variant's chunked kernel (measured, see README).
+# A variant not listed keeps its chunked kernel on CPU under "auto".
+CPU_CROSSOVER: dict[str, int] = {}
+
+_settings = {"backend": "auto", "compiled": True}
+_masks: OrderedDict[tuple, BlockMask] = OrderedDict()
+
+
+class FlexUnavailableError(ValueError):
+    """``attention_backend("flex")`` was forced for a call FlexAttention cannot run."""
+
+
+@contextlib.contextmanager
+def attention_backend(backend: str, compiled: bool = True) -> Iterator[None]:
+    """Force ``"flex"``, ``"chunked"`` or ``"auto"`` for the exact pattern variants inside the block.
+
+    ``compiled=False`` runs FlexAttention's eager reference (O(n²) memory; it ignores the block mask): for tests only.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r} is unknown; use one of {', '.join(BACKENDS)}.")
+    saved = dict(_settings)
+    _settings.update(backend=backend, compiled=compiled)
+    try:
+        yield
+    finally:
+        _settings.update(saved)
+
+
+def current_backend() -> str:
+    return _settings["backend"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# which backend
+
+
+def unsupported_reason(variant: Variant, q: torch.Tensor, k: torch.Tensor, call: AttentionCall) -> str | None:
+    """Why Flex cannot run this call (None: it can)."""
+    if not variant.exact:
+        return "the variant is approximate (Flex computes softmax attention restricted to a pattern)"
+    if variant.pattern(call, q.shape[-2], k.shape[-2]) is None:
+        return "the variant has no pattern (it attends to all keys: dense SDPA is the faster kernel)"
+    if q.shape[-2] != k.shape[-2]:
+        return "decoding step (fewer queries than keys): the variant's cache path runs"
+    if call.weights is not None:
+        return "the variant has learned per-layer weights its pattern does not describe"
+    if q.dtype not in DTYPES:
+        return f"dtype {q.dtype} (Flex takes fp32, bf16 and fp16)"
+    if call.training and call.dropout > 0:
+        return f"attention dropout p={call.dropout:g} (FlexAttention has none, pytorch#141784)"
+    if q.device.type == "cpu" and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k)):
+        return "a gradient is needed and FlexAttention has no backward on CPU"
+    return None
+
+
+def use_flex(variant: Variant, q: torch.Tensor, k: torch.Tensor, call: AttentionCall) -> bool:
+    """Whether this call runs on Flex under the current backend (forced ``"flex"`` raises when it cannot)."""
+    backend = _settings["backend"]
+    if backend == "chunked":
+        return False
+    reason = unsupported_reason(variant, q, k, call)
+    if backend == "flex":
+        if reason is not None:
+            raise FlexUnavailableError(
+                f"attention_backend('flex') was forced, but attention-zoo variant {variant.name!r} cannot run this "
+                f"call on FlexAttention: {reason}. Use attention_backend('auto') to fall back to its kernel."
+            )
+        return True
+    if reason is not None:
+        _log_fallback_once(variant.name, reason)
+        return False
+    if q.device.type == "cuda":
+        return True
+    crossover = CPU_CROSSOVER.get(variant.name)
+    return crossover is not None and q.shape[-2] >= crossover
+
+
+@functools.cache
+def _log_fallback_once(variant: str, reason: str) -> None:
+    logger.info("attention-zoo variant %r runs its chunked kernel instead of FlexAttention: %s.", variant, reason)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the call
+
+
+def attend(variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+    """(B, H, n, D) queries over (B, H_kv, n, D) keys/values (H a multiple of H_kv: GQA without expanding) ->
+    (B, H, n, D), softmax attention restricted to the variant's pattern, causality and padding."""
+    block_mask = block_mask_for(variant, call, q.shape[0], q.shape[1], q.shape[-2], q.device)
+    kernel = _compiled_flex() if _settings["compiled"] else flex_attention
+    out = kernel(q, k, v, block_mask=block_mask, scale=call.scaling, enable_gqa=q.shape[1] != k.shape[1])
+    return out
+
+
+@functools.cache
+def _compiled_flex() -> Callable:
+    # dynamic=True: one compilation serves every length (generate on prompts of varying length does not recompile)
+    return torch.compile(flex_attention, dynamic=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the block mask
+
+
+def block_mask_for(variant: Variant, call: AttentionCall, batch: int, heads: int, n: int, device) -> BlockMask:
+    """The cached BlockMask of the variant's pattern for this call (built once per pattern identity and shape)."""
+    predicate = variant.pattern(call, n, n)
+    key = (_fingerprint(predicate), call.causal, _fingerprint(call.padding_mask), batch, heads, n, torch.device(device))
+    mask = _masks.get(key)
+    if mask is None:
+        mask = build_block_mask(predicate, call.causal, call.padding_mask, batch, heads, n, device)
+        _masks[key] = mask
+        if len(_masks) > MASK_CACHE_SIZE:
+            _masks.popitem(last=False)
+    else:
+        _masks.move_to_end(key)
+    return mask
+
+
+def build_block_mask(
+    predicate: IndexPredicate, causal: bool, padding_mask: torch.Tensor | None, batch: int, heads: int, n: int, device
+) -> BlockMask:
+    """BlockMask (tiles of :data:`FLEX_BLOCK`) of ``predicate`` ∧ causality ∧ padding (keys). When the pattern covers
+    whole tiles of some size g (BigBird's blocks), the kernel looks it up in a (n/g)² table instead of running the
+    predicate (which then need not be traceable)."""
+    fine = fine_granularity(n)
+    pattern, combined = pattern_block_counts(predicate, causal, batch, heads, n, fine, device)
+    kernel_pattern = predicate
+    size = FLEX_BLOCK
+    while size >= fine:
+        counts = _pool(pattern, size // fine)
+        if bool(((counts == 0) | (counts == _block_area(n, size, device))).all()):
+            kernel_pattern = _block_lookup(counts > 0, size)
+            break
+        size //= 2
+    return _to_block_mask(kernel_pattern, _pool(combined, FLEX_BLOCK // fine), causal, padding_mask, n)
+
+
+def fine_granularity(n: int) -> int:
+    """Tile size at which a pattern is first counted: a power of two in [8, FLEX_BLOCK], at most ~512 tiles a side."""
+    return min(FLEX_BLOCK, max(8, 1 << max(0, math.ceil(n / 512) - 1).bit_length()))
+
+
+def pattern_block_counts(
+    predicate: IndexPredicate, causal: bool, batch: int, heads: int, n: int, block: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allowed pairs per (block x block) tile of the pattern alone and of pattern ∧ causality: two (B|1, H|1, nb, nb)
+    int32 tensors (B or H is 1 when the pattern does not depend on it). The predicate sees broadcast index tensors
+    for one chunk of query blocks at a time: never an n x n tensor."""
+    blocks = math.ceil(n / block)
+    rows_per_chunk = max(1, EVAL_ELEMENTS // (blocks * block * block * heads)) * block
+    b = torch.arange(batch, device=device)[:, None, None, None]
+    h = torch.arange(heads, device=device)[None, :, None, None]
+    kv = torch.arange(n, device=device)[None, None, None, :]
+    pattern_parts, combined_parts = [], []
+    for start in range(0, blocks * block, rows_per_chunk):
+        q = torch.arange(start, min(start + rows_per_chunk, n), device=device)[None, None, :, None]
+        allowed = torch.as_tensor(predicate(b, h, q, kv), device=device)
+        allowed = allowed.expand(*allowed.shape[:2], q.shape[-2], n)
+        pattern_parts.append(_tile_sums(allowed, block))
+        combined_parts.append(_tile_sums(allowed & (kv <= q), block) if causal else pattern_parts[-1])
+    return _cat_broadcast(pattern_parts), _cat_broadcast(combined_parts)
+
+
+def _tile_sums(allowed: torch.Tensor, block: int) -> torch.Tensor:
+    """(B, H, rows, n) bool -> (B, H, ceil(rows/block), ceil(n/block)) int32 counts (out-of-range pairs: False)."""
+    rows, cols = allowed.shape[-2:]
+    padded = torch.nn.functional.pad(allowed, (0, -cols % block, 0, -rows % block))
+    tiles = padded.unflatten(-1, (-1, block)).unflatten(-3, (-1, block))  # (B, H, qb, block, kb, block)
+    return tiles.sum(dim=(-3, -1), dtype=torch.int32)
+
+
+def _cat_broadcast(parts: list[torch.Tensor]) -> torch.Tensor:
+    batch = max(p.shape[0] for p in parts)
+    heads = max(p.shape[1] for p in parts)
+    return torch.cat([p.expand(batch, heads, *p.shape[2:]) for p in parts], dim=2)
+
+
+def _pool(counts: torch.Tensor, factor: int) -> torch.Tensor:
+    """Counts of (factor x factor) groups of tiles: the counts at a block size ``factor`` times larger."""
+    if factor == 1:
+        return counts
+    rows, cols = counts.shape[-2:]
+    padded = torch.nn.functional.pad(counts, (0, -cols % factor, 0, -rows % factor))
+    return padded.unflatten(-1, (-1, factor)).unflatten(-3, (-1, factor)).sum(dim=(-3, -1), dtype=torch.int32)
+
+
+def _block_area(n: int, block: int, device) -> torch.Tensor:
+    """(nb, nb) pairs inside the sequence per tile (the last row and column of tiles may be ragged)."""
+    sizes = torch.full((math.ceil(n / block),), block, device=device)
+    sizes[-1] = n - block * (sizes.shape[0] - 1)
+    return sizes[:, None] * sizes[None, :]
+
+
+def _block_lookup(covered: torch.Tensor, block: int) -> IndexPredicate:
+    """The predicate of a pattern that covers whole blocks: one lookup in its (B|1, H|1, nb, nb) block table."""
+    per_batch, per_head = covered.shape[0] > 1, covered.shape[1] > 1
+    table = covered[:, :, :, :] if per_batch or per_head else covered[0, 0]
+
+    def block_pattern(b, h, q_idx, kv_idx):
+        if per_batch or per_head:
+            return table[b if per_batch else 0, h if per_head else 0, q_idx // block, kv_idx // block]
+        return table[q_idx // block, kv_idx // block]
+
+    return block_pattern
+
+
+def _to_block_mask(
+    pattern: IndexPredicate, counts: torch.Tensor, causal: bool, padding_mask: torch.Tensor | None, n: int,
+    block: int = FLEX_BLOCK,
+) -> BlockMask:
+    """BlockMask from tile counts of pattern ∧ causality and the key padding (tile level: a tile is full when every
+    pair is allowed and every key real, empty when no pair is allowed or no key real)."""
+    full = counts == block * block
+    partial = counts > 0
+    parts = [pattern]
+    if causal:
+        parts.append(causal_mask_function)
+    if padding_mask is not None:
+        real = _tile_sums(padding_mask[:, None, None, :].to(counts.device), block)[:, :, :1]  # (B, 1, 1, nb)
+        full, partial = full & (real == block), partial & (real > 0)
+        parts.append(padding_mask_function(padding_mask.to(counts.device)))
+    partial = partial & ~full
+    mask_mod = and_masks(*parts) if len(parts) > 1 else pattern
+    return BlockMask.from_kv_blocks(
+        *_ordered(partial), *_ordered(full), BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(n, n)
+    )
+
+
+def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, H, nq, nk) bool -> (count per query block row (B, H, nq), key block indices, the set ones first)."""
+    counts = tiles.sum(-1, dtype=torch.int32)
+    indices = tiles.to(torch.int8).argsort(dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts.contiguous(), indices.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pattern identity
+
+
+def _fingerprint(value: Any, depth: int = 0) -> Any:
+    """A hashable identity of a predicate (its code and the values it closes over) or of what it captured: two
+    layers whose patterns capture equal values share one BlockMask. Unknown objects count by identity."""
+    if depth > 4:
+        return id(value)
+    if value is None or isinstance(value, (bool, int, float, str, torch.device, torch.dtype)):
+        return value
+    if isinstance(value, torch.Tensor):
+        if value.numel() > FINGERPRINT_ELEMENTS:
+            return id(value)
+        data = value.detach().cpu().contiguous().flatten().view(torch.uint8)
+        return (tuple(value.shape), value.dtype, value.device, hash(tuple(data.tolist())))
+    if isinstance(value, (list, tuple)):
+        return tuple(_fingerprint(x, depth + 1) for x in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _fingerprint(v, depth + 1)) for k, v in value.items()))
+    if isinstance(value, types.FunctionType):
+        cells = tuple(_fingerprint(c.cell_contents, depth + 1) for c in value.__closure__ or ())
+        return (value.__code__, cells)
+    if isinstance(value, Variant):
+        return (type(value), repr(value.config))
+    if isinstance(value, AttentionCall):
+        return ("call", value.layer_idx, value.causal, _fingerprint(value.padding_mask, depth + 1),
+                _fingerprint(value.extra, depth + 1))
+    return id(value)
