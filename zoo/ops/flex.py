@@ -8,7 +8,8 @@ Which backend runs (:func:`use_flex`), set with :func:`attention_backend` (a con
   variant's chunked kernel (:data:`CPU_CROSSOVER`; variants not listed keep the chunked kernel on CPU). A call
   Flex cannot run (attention dropout, decoding steps, learned per-layer weights...) takes the chunked kernel,
   with one log line per reason.
-* ``"flex"``: every call through Flex; a call it cannot run raises, naming why (tests and benchmarks).
+* ``"flex"``: every call of an exact pattern variant through Flex; a call it cannot run raises, naming why (tests
+  and benchmarks). Variants without a pattern (dense, approximate) run their own kernel under every backend.
 * ``"chunked"``: the variant's own kernel (``Variant.attend``) always.
 
 The block mask is never built from an n x n tensor: the pattern predicate is evaluated on query chunks of at most
@@ -82,11 +83,7 @@ def current_backend() -> str:
 
 
 def unsupported_reason(variant: Variant, q: torch.Tensor, k: torch.Tensor, call: AttentionCall) -> str | None:
-    """Why Flex cannot run this call (None: it can)."""
-    if not variant.exact:
-        return "the variant is approximate (Flex computes softmax attention restricted to a pattern)"
-    if variant.pattern(call, q.shape[-2], k.shape[-2]) is None:
-        return "the variant has no pattern (it attends to all keys: dense SDPA is the faster kernel)"
+    """Why Flex cannot run this call of an exact pattern variant (None: it can)."""
     if q.shape[-2] != k.shape[-2]:
         return "decoding step (fewer queries than keys): the variant's cache path runs"
     if call.weights is not None:
@@ -103,7 +100,7 @@ def unsupported_reason(variant: Variant, q: torch.Tensor, k: torch.Tensor, call:
 def use_flex(variant: Variant, q: torch.Tensor, k: torch.Tensor, call: AttentionCall) -> bool:
     """Whether this call runs on Flex under the current backend (forced ``"flex"`` raises when it cannot)."""
     backend = _settings["backend"]
-    if backend == "chunked":
+    if backend == "chunked" or not is_pattern_variant(variant, call, q.shape[-2], k.shape[-2]):
         return False
     reason = unsupported_reason(variant, q, k, call)
     if backend == "flex":
@@ -120,6 +117,12 @@ def use_flex(variant: Variant, q: torch.Tensor, k: torch.Tensor, call: Attention
         return True
     crossover = CPU_CROSSOVER.get(variant.name)
     return crossover is not None and q.shape[-2] >= crossover
+
+
+def is_pattern_variant(variant: Variant, call: AttentionCall, q_len: int, kv_len: int) -> bool:
+    """Exact, with a pattern: the variants the backend choice is about (others always run their own kernel: an
+    approximate one is no restricted softmax, and one without a pattern is dense, where SDPA is the fast kernel)."""
+    return variant.exact and variant.pattern(call, q_len, kv_len) is not None
 
 
 @functools.cache
