@@ -100,23 +100,25 @@ def unsupported_reason(variant: Variant, q: torch.Tensor, k: torch.Tensor, call:
 def use_flex(variant: Variant, q: torch.Tensor, k: torch.Tensor, call: AttentionCall) -> bool:
     """Whether this call runs on Flex under the current backend (forced ``"flex"`` raises when it cannot)."""
     backend = _settings["backend"]
-    if backend == "chunked" or not is_pattern_variant(variant, call, q.shape[-2], k.shape[-2]):
+    if backend == "chunked" or (backend == "auto" and not _auto_may_pick_flex(variant, q)):
+        return False
+    if not is_pattern_variant(variant, call, q.shape[-2], k.shape[-2]):
         return False
     reason = unsupported_reason(variant, q, k, call)
+    if reason is None:
+        return True
     if backend == "flex":
-        if reason is not None:
-            raise FlexUnavailableError(
-                f"attention_backend('flex') was forced, but attention-zoo variant {variant.name!r} cannot run this "
-                f"call on FlexAttention: {reason}. Use attention_backend('auto') to fall back to its kernel."
-            )
-        return True
-    if reason is not None:
-        _log_fallback_once(variant.name, reason)
-        return False
-    if q.device.type == "cuda":
-        return True
-    crossover = CPU_CROSSOVER.get(variant.name)
-    return crossover is not None and q.shape[-2] >= crossover
+        raise FlexUnavailableError(
+            f"attention_backend('flex') was forced, but attention-zoo variant {variant.name!r} cannot run this "
+            f"call on FlexAttention: {reason}. Use attention_backend('auto') to fall back to its kernel."
+        )
+    _log_fallback_once(variant.name, reason)
+    return False
+
+
+def _auto_may_pick_flex(variant: Variant, q: torch.Tensor) -> bool:
+    """CUDA: always; CPU: from the variant's measured crossover length on (checked before building its pattern)."""
+    return q.device.type == "cuda" or q.shape[-2] >= CPU_CROSSOVER.get(variant.name, math.inf)
 
 
 def is_pattern_variant(variant: Variant, call: AttentionCall, q_len: int, kv_len: int) -> bool:
