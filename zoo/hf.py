@@ -285,7 +285,7 @@ def run_variant(
             "Set the model's attention dropout to 0 (e.g. config.attention_probs_dropout_prob=0.0 for BERT, "
             "attention_dropout=0.0 for Llama/ModernBERT)."
         )
-    if flex.use_flex(variant, q, k, call):  # FlexAttention hook (zoo.ops.flex): GQA keys stay unexpanded
+    if flex.use_flex(variant, q, k, v, call):  # FlexAttention hook (zoo.ops.flex): GQA keys stay unexpanded
         out = flex.attend(variant, q, k, v, call)
     else:
         out = variant.attend(q, *expand_kv(k, v, q.shape[1]), call)

@@ -18,7 +18,10 @@ memory per chunk). A pattern that covers whole tiles of some size (BigBird's blo
 inside the kernel (so it need not be traceable); any other pattern's predicate runs inside the kernel on the
 partial blocks (it must be traceable by torch.compile: index arithmetic and indexing of captured tensors).
 Masks are cached per (pattern identity, causality, padding, shape, device): layers with the same pattern share one.
-Compilation uses ``dynamic=True``, so prompts of new lengths do not recompile.
+Compilation: dynamic shapes on CUDA (no recompilation for a new length); on CPU static, per length bucket
+(:func:`bucket_length`: 2^k or 1.5 * 2^k tokens, the padding hidden by the mask), so ``generate`` on prompts of
+varying length compiles a few times, not once per prompt (on CPU a pattern that captures a tensor of n entries,
+as ``longformer`` with global tokens does, still compiles once per length: the kernel specializes on its shape).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import Any
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
-from transformers.masking_utils import and_masks, causal_mask_function, padding_mask_function
+from transformers.masking_utils import and_masks, causal_mask_function
 
 from zoo.variant import AttentionCall, IndexPredicate, Variant
 
@@ -82,7 +85,9 @@ def current_backend() -> str:
 # which backend
 
 
-def unsupported_reason(variant: Variant, q: torch.Tensor, k: torch.Tensor, call: AttentionCall) -> str | None:
+def unsupported_reason(
+    variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall
+) -> str | None:
     """Why Flex cannot run this call of an exact pattern variant (None: it can)."""
     if q.shape[-2] != k.shape[-2]:
         return "decoding step (fewer queries than keys): the variant's cache path runs"
@@ -92,19 +97,19 @@ def unsupported_reason(variant: Variant, q: torch.Tensor, k: torch.Tensor, call:
         return f"dtype {q.dtype} (Flex takes fp32, bf16 and fp16)"
     if call.training and call.dropout > 0:
         return f"attention dropout p={call.dropout:g} (FlexAttention has none, pytorch#141784)"
-    if q.device.type == "cpu" and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k)):
+    if q.device.type == "cpu" and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         return "a gradient is needed and FlexAttention has no backward on CPU"
     return None
 
 
-def use_flex(variant: Variant, q: torch.Tensor, k: torch.Tensor, call: AttentionCall) -> bool:
+def use_flex(variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> bool:
     """Whether this call runs on Flex under the current backend (forced ``"flex"`` raises when it cannot)."""
     backend = _settings["backend"]
     if backend == "chunked" or (backend == "auto" and not _auto_may_pick_flex(variant, q)):
         return False
     if not is_pattern_variant(variant, call, q.shape[-2], k.shape[-2]):
         return False
-    reason = unsupported_reason(variant, q, k, call)
+    reason = unsupported_reason(variant, q, k, v, call)
     if reason is None:
         return True
     if backend == "flex":
@@ -139,29 +144,51 @@ def _log_fallback_once(variant: str, reason: str) -> None:
 def attend(variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
     """(B, H, n, D) queries over (B, H_kv, n, D) keys/values (H a multiple of H_kv: GQA without expanding) ->
     (B, H, n, D), softmax attention restricted to the variant's pattern, causality and padding."""
-    block_mask = block_mask_for(variant, call, q.shape[0], q.shape[1], q.shape[-2], q.device)
-    kernel = _compiled_flex() if _settings["compiled"] else flex_attention
+    n = q.shape[-2]
+    length = bucket_length(n, q.device)
+    block_mask = block_mask_for(variant, call, q.shape[0], q.shape[1], n, q.device, length)
+    if length > n:  # the mask hides the padded keys; the padded query rows are cut off
+        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, length - n)) for x in (q, k, v))
+    kernel = _compiled_flex(q.device.type == "cuda") if _settings["compiled"] else flex_attention
     out = kernel(q, k, v, block_mask=block_mask, scale=call.scaling, enable_gqa=q.shape[1] != k.shape[1])
-    return out
+    return out[:, :, :n] if length > n else out
+
+
+def bucket_length(n: int, device: torch.device) -> int:
+    """The length Flex runs at. CUDA: n (compiled with dynamic shapes). CPU: n rounded up to 2^k or 1.5 * 2^k (at
+    least one tile), so prompts of varying length share a few static compilations -- torch 2.13's CPU template
+    fails to compile patterns with ``//`` or ``%`` under dynamic shapes (a C++ error naming ``cur_qSplitSize0``)."""
+    if device.type == "cuda":
+        return n
+    if n <= FLEX_BLOCK:
+        return FLEX_BLOCK
+    power = 1 << (n - 1).bit_length()
+    return power * 3 // 4 if power * 3 // 4 >= n else power
 
 
 @functools.cache
-def _compiled_flex() -> Callable:
-    # dynamic=True: one compilation serves every length (generate on prompts of varying length does not recompile)
-    return torch.compile(flex_attention, dynamic=True)
+def _compiled_flex(dynamic: bool) -> Callable:
+    """One compiled FlexAttention per shape policy (CUDA: dynamic, one compilation for every length; CPU: static,
+    one per length bucket of :func:`bucket_length`)."""
+    return torch.compile(flex_attention, dynamic=dynamic)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # the block mask
 
 
-def block_mask_for(variant: Variant, call: AttentionCall, batch: int, heads: int, n: int, device) -> BlockMask:
-    """The cached BlockMask of the variant's pattern for this call (built once per pattern identity and shape)."""
+def block_mask_for(
+    variant: Variant, call: AttentionCall, batch: int, heads: int, n: int, device, length: int | None = None
+) -> BlockMask:
+    """The cached BlockMask of the variant's pattern for this call (built once per pattern identity and shape), for
+    inputs padded to ``length`` (default n) tokens."""
+    length = length or n
     predicate = variant.pattern(call, n, n)
-    key = (_fingerprint(predicate), call.causal, _fingerprint(call.padding_mask), batch, heads, n, torch.device(device))
+    key = (_fingerprint(predicate), call.causal, _fingerprint(call.padding_mask), batch, heads, n, length,
+           torch.device(device))
     mask = _masks.get(key)
     if mask is None:
-        mask = build_block_mask(predicate, call.causal, call.padding_mask, batch, heads, n, device)
+        mask = build_block_mask(predicate, call.causal, call.padding_mask, batch, heads, n, device, length)
         _masks[key] = mask
         if len(_masks) > MASK_CACHE_SIZE:
             _masks.popitem(last=False)
@@ -171,11 +198,13 @@ def block_mask_for(variant: Variant, call: AttentionCall, batch: int, heads: int
 
 
 def build_block_mask(
-    predicate: IndexPredicate, causal: bool, padding_mask: torch.Tensor | None, batch: int, heads: int, n: int, device
+    predicate: IndexPredicate, causal: bool, padding_mask: torch.Tensor | None, batch: int, heads: int, n: int, device,
+    length: int | None = None,
 ) -> BlockMask:
-    """BlockMask (tiles of :data:`FLEX_BLOCK`) of ``predicate`` ∧ causality ∧ padding (keys). When the pattern covers
-    whole tiles of some size g (BigBird's blocks), the kernel looks it up in a (n/g)² table instead of running the
-    predicate (which then need not be traceable)."""
+    """BlockMask (tiles of :data:`FLEX_BLOCK`) of ``predicate`` ∧ causality ∧ padding (keys) over n tokens, for
+    inputs padded to ``length`` tokens (the keys after n hidden). When the pattern covers whole tiles of some size g
+    (BigBird's blocks), the kernel looks it up in a (n/g)² table instead of running the predicate (which then need
+    not be traceable)."""
     fine = fine_granularity(n)
     pattern, combined = pattern_block_counts(predicate, causal, batch, heads, n, fine, device)
     kernel_pattern = predicate
@@ -183,10 +212,10 @@ def build_block_mask(
     while size >= fine:
         counts = _pool(pattern, size // fine)
         if bool(((counts == 0) | (counts == _block_area(n, size, device))).all()):
-            kernel_pattern = _block_lookup(counts > 0, size)
+            kernel_pattern = _block_lookup(_pad_tiles(counts > 0, math.ceil((length or n) / size)), size)
             break
         size //= 2
-    return _to_block_mask(kernel_pattern, _pool(combined, FLEX_BLOCK // fine), causal, padding_mask, n)
+    return _to_block_mask(kernel_pattern, _pool(combined, FLEX_BLOCK // fine), causal, padding_mask, n, length or n)
 
 
 def fine_granularity(n: int) -> int:
@@ -246,38 +275,66 @@ def _block_area(n: int, block: int, device) -> torch.Tensor:
 
 
 def _block_lookup(covered: torch.Tensor, block: int) -> IndexPredicate:
-    """The predicate of a pattern that covers whole blocks: one lookup in its (B|1, H|1, nb, nb) block table."""
-    per_batch, per_head = covered.shape[0] > 1, covered.shape[1] > 1
-    table = covered[:, :, :, :] if per_batch or per_head else covered[0, 0]
+    """The predicate of a pattern that covers whole blocks: one lookup in its (B|1, H|1, nb, nb) block table
+    (flattened: the CPU kernel template of torch 2.13 does not compile 2-D indexing of a captured tensor)."""
+    batches, heads, rows, cols = covered.shape
+    table = covered.flatten()
 
     def block_pattern(b, h, q_idx, kv_idx):
-        if per_batch or per_head:
-            return table[b if per_batch else 0, h if per_head else 0, q_idx // block, kv_idx // block]
-        return table[q_idx // block, kv_idx // block]
+        index = (q_idx // block) * cols + kv_idx // block
+        if heads > 1:
+            index = index + h * (rows * cols)
+        if batches > 1:
+            index = index + b * (heads * rows * cols)
+        return table[index]
 
     return block_pattern
 
 
+def _key_padding(padding_mask: torch.Tensor) -> IndexPredicate:
+    """transformers' ``padding_mask_function`` on a flattened (batch, n) mask (see :func:`_block_lookup`)."""
+    n = padding_mask.shape[-1]
+    real = padding_mask.flatten()
+    return lambda b, h, q_idx, kv_idx: real[b * n + kv_idx]
+
+
 def _to_block_mask(
     pattern: IndexPredicate, counts: torch.Tensor, causal: bool, padding_mask: torch.Tensor | None, n: int,
-    block: int = FLEX_BLOCK,
+    length: int, block: int = FLEX_BLOCK,
 ) -> BlockMask:
-    """BlockMask from tile counts of pattern ∧ causality and the key padding (tile level: a tile is full when every
-    pair is allowed and every key real, empty when no pair is allowed or no key real)."""
+    """BlockMask over ``length`` >= n tokens from tile counts of pattern ∧ causality over the first n and the key
+    padding (tile level: a tile is full when every pair is allowed and every key real, empty when no pair is allowed
+    or no key real; keys from n on are padding)."""
+    counts = _pad_tiles(counts, math.ceil(length / block))
     full = counts == block * block
     partial = counts > 0
-    parts = [pattern]
+    parts = [pattern if length == n else _within(pattern, n, counts.device)]
     if causal:
         parts.append(causal_mask_function)
-    if padding_mask is not None:
-        real = _tile_sums(padding_mask[:, None, None, :].to(counts.device), block)[:, :, :1]  # (B, 1, 1, nb)
-        full, partial = full & (real == block), partial & (real > 0)
-        parts.append(padding_mask_function(padding_mask.to(counts.device)))
+    if padding_mask is not None or length > n:
+        real = padding_mask if padding_mask is not None else torch.ones(1, n, dtype=torch.bool)
+        real = torch.nn.functional.pad(real.to(device=counts.device, dtype=torch.bool), (0, length - n))
+        real_per_tile = _tile_sums(real[:, None, None, :], block)[:, :, :1]  # (B, 1, 1, tiles)
+        full, partial = full & (real_per_tile == block), partial & (real_per_tile > 0)
+        parts.append(_key_padding(real))
     partial = partial & ~full
-    mask_mod = and_masks(*parts) if len(parts) > 1 else pattern
+    mask_mod = and_masks(*parts) if len(parts) > 1 else parts[0]
     return BlockMask.from_kv_blocks(
-        *_ordered(partial), *_ordered(full), BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(n, n)
+        *_ordered(partial), *_ordered(full), BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(length, length)
     )
+
+
+def _within(pattern: IndexPredicate, n: int, device) -> IndexPredicate:
+    """``pattern`` on inputs padded beyond n: positions clamped into [0, n) (its captured tensors have n entries);
+    the key padding hides the padded keys, and the padded query rows are cut off. The bound is a tensor, so the
+    compiled kernel does not specialize on n."""
+    last = torch.tensor(n - 1, device=device)
+    return lambda b, h, q_idx, kv_idx: pattern(b, h, torch.minimum(q_idx, last), torch.minimum(kv_idx, last))
+
+
+def _pad_tiles(tiles: torch.Tensor, count: int) -> torch.Tensor:
+    """(..., nb, nb) tile table padded with zeros / False to (..., count, count)."""
+    return torch.nn.functional.pad(tiles, (0, count - tiles.shape[-1], 0, count - tiles.shape[-2]))
 
 
 def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
