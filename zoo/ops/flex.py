@@ -230,15 +230,21 @@ def pattern_block_counts(
     int32 tensors (B or H is 1 when the pattern does not depend on it). The predicate sees broadcast index tensors
     for one chunk of query blocks at a time: never an n x n tensor."""
     blocks = math.ceil(n / block)
-    rows_per_chunk = max(1, EVAL_ELEMENTS // (blocks * block * block * heads)) * block
-    b = torch.arange(batch, device=device)[:, None, None, None]
-    h = torch.arange(heads, device=device)[None, :, None, None]
-    kv = torch.arange(n, device=device)[None, None, None, :]
+    index = {"device": device}
+    b = torch.arange(batch, **index)[:, None, None, None]
+    h = torch.arange(heads, **index)[None, :, None, None]
+    kv = torch.arange(n, **index)[None, None, None, :]
+
+    def allowed_rows(start: int, stop: int) -> torch.Tensor:
+        q = torch.arange(start, stop, **index)[None, None, :, None]
+        allowed = torch.as_tensor(predicate(b, h, q, kv), device=device)
+        return allowed.expand(*allowed.shape[:2], stop - start, n), q
+
+    probe, _ = allowed_rows(0, 1)  # batch and head dims the pattern really depends on size the chunks
+    rows_per_chunk = max(1, EVAL_ELEMENTS // (blocks * block * block * probe.shape[0] * probe.shape[1])) * block
     pattern_parts, combined_parts = [], []
     for start in range(0, blocks * block, rows_per_chunk):
-        q = torch.arange(start, min(start + rows_per_chunk, n), device=device)[None, None, :, None]
-        allowed = torch.as_tensor(predicate(b, h, q, kv), device=device)
-        allowed = allowed.expand(*allowed.shape[:2], q.shape[-2], n)
+        allowed, q = allowed_rows(start, min(start + rows_per_chunk, n))
         pattern_parts.append(_tile_sums(allowed, block))
         combined_parts.append(_tile_sums(allowed & (kv <= q), block) if causal else pattern_parts[-1])
     return _cat_broadcast(pattern_parts), _cat_broadcast(combined_parts)
