@@ -19,7 +19,7 @@ step() { echo; echo "== $1 ($(date +%T))"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
 step "Flex tests on CUDA (forward + backward vs the chunked kernels) and the contract suite"
-timeout 150 "$PY" -m pytest -q -x tests/test_flex.py tests/test_contract.py -p no:cacheprovider \
+timeout 140 "$PY" -m pytest -q -x tests/test_flex.py tests/test_contract.py -p no:cacheprovider \
   2>&1 | tail -n 15 | tee "$OUT/tests.txt" || status=1
 
 VARIANTS="longformer bigbird sparse_transformer xformers sdpa hf_longformer hf_bigbird"
@@ -28,7 +28,7 @@ COMMON="--device cuda --dtype bf16 --mode fwd+bwd --lengths 8192 32768 --repeats
 
 step "zoo bench: exact variants on Flex vs dense SDPA and transformers' Longformer/BigBird"
 # shellcheck disable=SC2086
-timeout 200 "$PY" -m zoo.cli bench --variants $VARIANTS $COMMON --backend flex --max_seconds 60 \
+timeout 180 "$PY" -m zoo.cli bench --variants $VARIANTS $COMMON --backend flex --max_seconds 60 \
   --output_dir "$OUT/bench-flex" || status=1
 
 step "zoo bench: the same variants on their chunked kernels (the CUDA fallback before Flex)"
