@@ -8,6 +8,7 @@ from zoo.cache import cache_nbytes
 from zoo.convert import from_longformer
 from zoo.hf import IMPLEMENTATION, configure, install, make_cache, variant_for, variant_spec
 from zoo.longify import longify
+from zoo.ops.flex import attention_backend
 from zoo.registry import (
     BrokenVariantError,
     UnknownVariantError,
@@ -32,6 +33,7 @@ __all__ = [
     "Variant",
     "VariantConflictError",
     "VariantParameterError",
+    "attention_backend",
     "cache_nbytes",
     "configure",
     "from_longformer",

@@ -30,7 +30,7 @@ from transformers.masking_utils import flash_attention_mask
 
 from zoo import _patches
 from zoo.cache import LAYER_KWARG, CacheRollbackError, WindowedLayer, ZooCache
-from zoo.ops import expand_kv
+from zoo.ops import expand_kv, flex
 from zoo.pattern import row_starts
 from zoo.registry import UnknownVariantError, get_variant_class, variant_source
 from zoo.variant import AttentionCall, Variant
@@ -267,7 +267,6 @@ def zoo_attention_forward(
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
     q_len, kv_len = query.shape[-2], key.shape[-2]
     cross = is_cross_attention(module) or (q_len != kv_len and not causal)
-    key, value = expand_kv(key, value, query.shape[1])
     spec = getattr(config, CONFIG_KEY)
     padding_mask = attention_mask.bool() if attention_mask is not None else None
     cache_layer = kwargs.pop(LAYER_KWARG, None)  # our cache layer, handed over by its update() (zoo.cache)
@@ -309,7 +308,8 @@ def is_cross_attention(module: torch.nn.Module) -> bool:
 def run_variant(
     variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall
 ) -> torch.Tensor:
-    """Check the call against what the variant supports, run its kernel, zero padded query rows.
+    """Check the call against what the variant supports, run its kernel (or FlexAttention, :mod:`zoo.ops.flex`),
+    zero padded query rows. ``k``/``v`` may have fewer (grouped) heads than ``q``.
 
     Under cross-attention ``call.padding_mask`` covers the keys (the encoder's tokens), not the queries: no row is
     zeroed, as transformers' own implementations do."""
@@ -332,7 +332,10 @@ def run_variant(
             "Set the model's attention dropout to 0 (e.g. config.attention_probs_dropout_prob=0.0 for BERT, "
             "attention_dropout=0.0 for Llama/ModernBERT)."
         )
-    out = variant.attend(q, k, v, call)
+    if flex.use_flex(variant, q, k, v, call):  # FlexAttention hook (zoo.ops.flex): GQA keys stay unexpanded
+        out = flex.attend(variant, q, k, v, call)
+    else:
+        out = variant.attend(q, *expand_kv(k, v, q.shape[1]), call)
     if call.padding_mask is not None and not call.cross_attention:
         # the queries are the last keys (the new tokens when a cache holds earlier ones)
         out = out.masked_fill(~call.padding_mask[:, None, -out.shape[-2] :, None], 0.0)

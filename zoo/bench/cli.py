@@ -23,6 +23,7 @@ from zoo.bench.decode import (
 from zoo.bench.plan import DEFAULT_LENGTHS, DTYPES, BenchSettings, make_contestants, parse_variant_params
 from zoo.bench.report import write_outputs
 from zoo.bench.run import run_benchmark
+from zoo.ops.flex import attention_backend
 
 QUICK = {"lengths": [512, 1024], "repeats": 1, "warmup": 1, "error_length": 512, "roof_size": 1024,
          "max_seconds": 20.0}
@@ -85,6 +86,8 @@ def add_subcommand(subparsers) -> None:
              "skipped with a note (default 0)")
     # how it is measured
     add_flag(p, "device", choices=["cpu", "cuda"], default="cpu")
+    add_flag(p, "backend", choices=["auto", "flex", "chunked"], default="auto",
+             help="exact pattern variants: FlexAttention, their chunked kernel, or auto (zoo.attention_backend)")
     add_flag(p, "threads", type=POSITIVE, default=None, help="torch threads (default: torch's default here)")
     add_flag(p, "repeats", type=POSITIVE, help="timed iterations per measurement (default 3; quick 1)")
     add_flag(p, "warmup", type=number(int, 0), help="untimed iterations first (default 1)")
@@ -131,7 +134,7 @@ def command_line(settings: BenchSettings, args: argparse.Namespace) -> str:
         parts.append("--variants " + " ".join(args.variants))
     parts.append("--lengths " + " ".join(map(str, settings.lengths)))
     parts.append(f"--hidden {settings.hidden} --heads {settings.heads} --batch {settings.batch}")
-    parts.append(f"--dtype {settings.dtype} --mode {settings.mode} --device {settings.device}")
+    parts.append(f"--dtype {settings.dtype} --mode {settings.mode} --device {settings.device} --backend {args.backend}")
     parts.append(f"--threads {settings.threads} --repeats {settings.repeats} --warmup {settings.warmup}")
     parts.append(f"--max_seconds {settings.max_seconds:g} --error_length {settings.error_length} "
                  f"--roof_size {settings.roof_size}")
@@ -163,6 +166,7 @@ def decode_command_line(settings: DecodeSettings, args: argparse.Namespace) -> s
     parts.append("--lengths " + " ".join(map(str, settings.lengths)))
     parts.append(f"--new_tokens {settings.new_tokens} --window {settings.window} --hidden {settings.hidden}")
     parts.append(f"--heads {settings.heads} --batch {settings.batch} --threads {settings.threads}")
+    parts.append(f"--backend {args.backend}")
     parts.append(f"--max_seconds {settings.max_seconds:g} --output_dir {args.output_dir}")
     return " ".join(parts)
 
@@ -176,7 +180,8 @@ def cmd_decode(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    report = run_decode_benchmark(settings, contestants, progress=not args.no_progress)
+    with attention_backend(args.backend):
+        report = run_decode_benchmark(settings, contestants, progress=not args.no_progress)
     paths = write_decode_outputs(report, args.output_dir, decode_command_line(settings, args))
     print(f"zoo bench --decode: wrote {', '.join(str(p) for p in paths.values())}")
     return 0
@@ -193,7 +198,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ValueError as exc:  # VariantParameterError included
         print(str(exc), file=sys.stderr)
         return 2
-    report = run_benchmark(settings, contestants, progress=not args.no_progress)
+    with attention_backend(args.backend):
+        report = run_benchmark(settings, contestants, progress=not args.no_progress)
     paths = write_outputs(report, args.output_dir, command_line(settings, args))
     failed = sorted({r["variant"] for r in report["rows"] if r["status"] == "error"})
     print(f"zoo bench: wrote {', '.join(str(p) for p in paths.values())}")

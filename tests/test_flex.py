@@ -1,0 +1,204 @@
+"""FlexAttention path (:mod:`zoo.ops.flex`) on CPU: outputs against the chunked kernels and the dense reference, the
+BlockMask's blocks against the pattern's, the backend choice and the mask cache.
+
+FlexAttention has no backward on CPU (NotImplementedError in torch 2.13), so gradients through Flex cannot be
+checked here: the CUDA tests at the end (skipped without a GPU) compare forward and backward with the chunked
+kernels. Most CPU tests run Flex's eager reference (``compiled=False``: it applies the kernel's mask function to
+dense scores, seconds per call); one slow test compiles the real kernel at two small lengths.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from zoo.hf import run_variant
+from zoo.ops import allowed_mask, expand_kv, flex, softmax_attention
+from zoo.testing import LargestAllocation, make_call, make_inputs, make_variant, reference
+from zoo.variant import Variant
+
+CASES = [
+    ("longformer", {}),  # test_params: window 16, globals [0, 37]
+    ("bigbird", {}),
+    ("sparse_transformer", {"layout": "strided"}),
+    ("sparse_transformer", {"layout": "fixed"}),
+    ("xformers", {}),  # test_params: window 16
+]
+CASE_IDS = [f"{name}-{'-'.join(map(str, p.values())) or 'default'}" for name, p in CASES]
+HEADS, KV_HEADS = 4, 2
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+class BandOnlyPattern(Variant):
+    """A plugin that declares only a pattern (its kernel masks dense scores): Flex runs it from the pattern."""
+
+    name = "band_only_pattern"
+
+    def pattern(self, call, q_len, kv_len):
+        return lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() <= 5
+
+    def attend(self, q, k, v, call):
+        allowed = allowed_mask(call, self.pattern(call, q.shape[-2], k.shape[-2]), *q.shape[:2], q.shape[-2],
+                               k.shape[-2], q.device)
+        return softmax_attention(q, k, v, allowed, call.scaling)
+
+
+def gqa_inputs(padding="right", n=100):
+    q, k, v, mask = make_inputs(n=n, heads=HEADS, padding=padding)
+    return q, k[:, :KV_HEADS], v[:, :KV_HEADS], mask
+
+
+def run(variant, q, k, v, call, backend):
+    with torch.no_grad(), flex.attention_backend(backend, compiled=False):
+        return run_variant(variant, q, k, v, call)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize(("name", "params"), CASES, ids=CASE_IDS)
+def test_flex_equals_chunked_kernel_and_reference(name, params, causal):
+    variant = make_variant(name, **params)
+    q, k, v, mask = gqa_inputs(padding="left" if causal else "right")
+    call = make_call(causal, mask, heads=HEADS)
+    out = run(variant, q, k, v, call, "flex")
+    torch.testing.assert_close(out, run(variant, q, k, v, call, "chunked"), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out, reference(variant, q, *expand_kv(k, v, HEADS), call), atol=1e-5, rtol=1e-4)
+
+
+def test_flex_follows_per_batch_global_tokens():
+    variant = make_variant("longformer", global_tokens=[])
+    q, k, v, mask = gqa_inputs()
+    global_mask = torch.zeros(2, 100, dtype=torch.long)
+    global_mask[0, [3, 50]] = 1
+    global_mask[1, 10] = 1
+    call = make_call(False, mask, heads=HEADS, extra={"global_attention_mask": global_mask})
+    out = run(variant, q, k, v, call, "flex")
+    torch.testing.assert_close(out, reference(variant, q, *expand_kv(k, v, HEADS), call), atol=1e-5, rtol=1e-4)
+    without = make_call(False, mask, heads=HEADS)
+    assert not torch.allclose(out, run(variant, q, k, v, without, "flex"), atol=1e-3)  # the globals mattered
+
+
+def test_a_plugin_with_only_a_pattern_runs_on_flex():
+    variant = BandOnlyPattern()
+    q, k, v, mask = gqa_inputs()
+    call = make_call(True, mask, heads=HEADS)
+    out = run(variant, q, k, v, call, "flex")
+    torch.testing.assert_close(out, reference(variant, q, *expand_kv(k, v, HEADS), call), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("name", "params"), CASES, ids=CASE_IDS)
+def test_block_mask_holds_exactly_the_blocks_the_pattern_touches(name, params):
+    n, heads = 4096, 2
+    variant = make_variant(name, **{"window": 512} if name in ("longformer", "xformers") else {}, **params)
+    if name == "bigbird":
+        variant = make_variant(name, block_size=64)
+    call = make_call(False)
+    block_mask = flex.block_mask_for(variant, call, 1, heads, n, "cpu")
+    touched = allowed_mask(call, variant.pattern(call, n, n), 1, heads, n, n)
+    touched = touched.unflatten(-1, (-1, 128)).unflatten(-3, (-1, 128)).any(-1).any(-2)  # (1, H, 32, 32)
+    nonempty = block_mask.to_dense().bool().expand_as(touched)
+    assert torch.equal(nonempty, touched)
+    if name != "sparse_transformer":  # its every-l-th / summary columns touch every 128-tile: Flex would be dense
+        assert nonempty.float().mean() < 0.35
+
+
+def test_block_mask_is_built_without_an_n_by_n_tensor(monkeypatch):
+    monkeypatch.setattr(flex, "EVAL_ELEMENTS", 1 << 20)
+    n = 4096
+    variant = make_variant("longformer", window=512)
+    with LargestAllocation() as probe:
+        flex.build_block_mask(variant.pattern(make_call(True), n, n), True, None, 1, 2, n, "cpu")
+    assert probe.largest < n * n // 8
+
+
+def test_layers_with_the_same_pattern_share_one_mask(monkeypatch):
+    builds = []
+    monkeypatch.setattr(flex, "_masks", type(flex._masks)())
+    real_build = flex.build_block_mask
+    monkeypatch.setattr(flex, "build_block_mask", lambda *a: builds.append(a) or real_build(*a))
+    longformer, bigbird = make_variant("longformer"), make_variant("bigbird")
+    for layer in range(3):
+        flex.block_mask_for(longformer, make_call(False, layer_idx=layer), 1, 2, 100, "cpu")
+    assert len(builds) == 1  # same window and globals in every layer: one mask
+    for layer in range(3):
+        flex.block_mask_for(bigbird, make_call(False, layer_idx=layer), 1, 2, 100, "cpu")
+        flex.block_mask_for(bigbird, make_call(False, layer_idx=layer), 1, 2, 100, "cpu")
+    assert len(builds) == 4  # a random layout per layer, each built once
+
+
+def test_backend_choice_on_cpu(monkeypatch):
+    variant = make_variant("longformer")
+    q, k, v, _ = gqa_inputs(padding=None)
+    call = make_call(False)
+    assert not flex.use_flex(variant, q, k, v, call)  # auto: no measured CPU crossover for this variant
+    monkeypatch.setitem(flex.CPU_CROSSOVER, "longformer", 64)
+    assert flex.use_flex(variant, q, k, v, call)
+    assert not flex.use_flex(variant, q[..., :32, :], k[..., :32, :], v[..., :32, :], call)  # below the crossover
+    with flex.attention_backend("chunked"):
+        assert not flex.use_flex(variant, q, k, v, call)
+    grad_q = q.clone().requires_grad_()
+    assert not flex.use_flex(variant, grad_q, k, v, call)  # no backward on CPU
+    assert not flex.use_flex(variant, q, k, v.clone().requires_grad_(), call)  # e.g. LoRA on the values only
+    with flex.attention_backend("flex"), pytest.raises(flex.FlexUnavailableError, match="no backward on CPU"):
+        flex.use_flex(variant, grad_q, k, v, call)
+    with flex.attention_backend("flex"):  # dense and approximate variants keep their own kernel
+        assert not flex.use_flex(make_variant("dense"), q, k, v, call)
+        assert not flex.use_flex(make_variant("performer"), q, k, v, call)
+    with pytest.raises(ValueError, match="unknown; use one of auto, flex, chunked"):
+        with flex.attention_backend("triton"):
+            pass
+
+
+def test_dropout_falls_back_to_the_chunked_kernel_with_one_log_line(monkeypatch, caplog):
+    monkeypatch.setitem(flex.CPU_CROSSOVER, "bigbird", 1)
+    flex._log_fallback_once.cache_clear()
+    variant = make_variant("bigbird")
+    q, k, v, _ = gqa_inputs(padding=None)
+    call = make_call(False, dropout=0.1, training=True)
+    with caplog.at_level(logging.INFO, logger="zoo.ops.flex"):
+        for _ in range(2):
+            assert not flex.use_flex(variant, q, k, v, call)
+    assert [r.getMessage() for r in caplog.records].count(
+        "attention-zoo variant 'bigbird' runs its chunked kernel instead of FlexAttention: attention dropout p=0.1 "
+        "(FlexAttention has none, pytorch#141784).") == 1
+
+
+@pytest.mark.slow
+def test_compiled_flex_equals_the_chunked_kernel_without_recompiling_within_a_length_bucket():
+    from torch._dynamo.utils import counters
+
+    variant = make_variant("longformer", global_tokens=[])  # captures no tensor of n entries (globals would)
+    assert flex.bucket_length(200, torch.device("cpu")) == flex.bucket_length(250, torch.device("cpu")) == 256
+    for n in (200, 250):
+        q, k, v, mask = gqa_inputs(n=n)
+        call = make_call(False, mask, heads=HEADS)
+        with torch.no_grad(), flex.attention_backend("flex"):
+            out = run_variant(variant, q, k, v, call)
+        if n == 200:
+            graphs = counters["stats"]["unique_graphs"]
+        torch.testing.assert_close(out, run(variant, q, k, v, call, "chunked"), atol=1e-5, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] == graphs  # the second length reused the bucket's compilation
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA (skipped without a GPU): forward and backward through Flex against the chunked kernels
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FlexAttention's backward runs only there)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("name", "params"), CASES, ids=CASE_IDS)
+def test_cuda_flex_forward_and_backward_equal_the_chunked_kernel(name, params, dtype):
+    variant = make_variant(name, **params)
+    q, k, v, mask = (x.cuda() for x in gqa_inputs(n=300))
+    call = make_call(True, mask, heads=HEADS)
+    results = []
+    for backend in ("flex", "chunked"):
+        leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+        with flex.attention_backend(backend):
+            out = run_variant(variant, *leaves, call)
+        out.float().square().sum().backward()
+        results.append([out.float()] + [x.grad.float() for x in leaves])
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)

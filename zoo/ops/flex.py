@@ -1,0 +1,381 @@
+"""FlexAttention for exact pattern variants: a ``BlockMask`` built from the variant's pattern (composed with causality
+and padding), cached, and one call of compiled ``torch.nn.attention.flex_attention``.
+
+Which backend runs (:func:`use_flex`), set with :func:`attention_backend` (a context manager) or per process:
+
+* ``"auto"`` (default): Flex on CUDA for every exact variant with a pattern; on CPU only for inference (no
+  gradient: FlexAttention has no backward on CPU) and only from the length where it measured faster than the
+  variant's chunked kernel (:data:`CPU_CROSSOVER`; variants not listed keep the chunked kernel on CPU). A call
+  Flex cannot run (attention dropout, decoding steps, learned per-layer weights...) takes the chunked kernel,
+  with one log line per reason.
+* ``"flex"``: every call of an exact pattern variant through Flex; a call it cannot run raises, naming why (tests
+  and benchmarks). Variants without a pattern (dense, approximate) run their own kernel under every backend.
+* ``"chunked"``: the variant's own kernel (``Variant.attend``) always.
+
+The block mask is never built from an n x n tensor: the pattern predicate is evaluated on query chunks of at most
+:data:`EVAL_ELEMENTS` (query, key) pairs and reduced to per-block counts at once (O(n²) predicate evaluations, O(n)
+memory per chunk). A pattern that covers whole tiles of some size (BigBird's blocks) is then looked up per tile
+inside the kernel (so it need not be traceable); any other pattern's predicate runs inside the kernel on the
+partial blocks (it must be traceable by torch.compile: index arithmetic and indexing of captured tensors).
+Masks are cached per (pattern identity, causality, padding, shape, device): layers with the same pattern share one.
+Compilation: dynamic shapes on CUDA (no recompilation for a new length); on CPU static, per length bucket
+(:func:`bucket_length`: 2^k or 1.5 * 2^k tokens, the padding hidden by the mask), so ``generate`` on prompts of
+varying length compiles a few times, not once per prompt (on CPU a pattern that captures a tensor of n entries,
+as ``longformer`` with global tokens does, still compiles once per length: the kernel specializes on its shape).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import types
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from transformers.masking_utils import and_masks, causal_mask_function
+
+from zoo.variant import AttentionCall, IndexPredicate, Variant
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "flex", "chunked")
+FLEX_BLOCK = 128  # FlexAttention's tile (its default)
+EVAL_ELEMENTS = 1 << 24  # (query, key) pairs per chunk while evaluating a pattern into block counts
+MASK_CACHE_SIZE = 32
+FINGERPRINT_ELEMENTS = 1 << 20  # captured tensors up to this size count by value, larger ones by identity
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# CPU, eval forward: the length from which compiled Flex beat the variant's chunked kernel (measured, see README).
+# A variant not listed keeps its chunked kernel on CPU under "auto".
+CPU_CROSSOVER: dict[str, int] = {}
+
+_settings = {"backend": "auto", "compiled": True}
+_masks: OrderedDict[tuple, BlockMask] = OrderedDict()
+
+
+class FlexUnavailableError(ValueError):
+    """``attention_backend("flex")`` was forced for a call FlexAttention cannot run."""
+
+
+@contextlib.contextmanager
+def attention_backend(backend: str, compiled: bool = True) -> Iterator[None]:
+    """Force ``"flex"``, ``"chunked"`` or ``"auto"`` for the exact pattern variants inside the block.
+
+    ``compiled=False`` runs FlexAttention's eager reference (O(n²) memory; it ignores the block mask): for tests only.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r} is unknown; use one of {', '.join(BACKENDS)}.")
+    saved = dict(_settings)
+    _settings.update(backend=backend, compiled=compiled)
+    try:
+        yield
+    finally:
+        _settings.update(saved)
+
+
+def current_backend() -> str:
+    return _settings["backend"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# which backend
+
+
+def unsupported_reason(
+    variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall
+) -> str | None:
+    """Why Flex cannot run this call of an exact pattern variant (None: it can)."""
+    if q.shape[-2] != k.shape[-2]:
+        return "decoding step (fewer queries than keys): the variant's cache path runs"
+    if call.weights is not None:
+        return "the variant has learned per-layer weights its pattern does not describe"
+    if q.dtype not in DTYPES:
+        return f"dtype {q.dtype} (Flex takes fp32, bf16 and fp16)"
+    if call.training and call.dropout > 0:
+        return f"attention dropout p={call.dropout:g} (FlexAttention has none, pytorch#141784)"
+    if q.device.type == "cpu" and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        return "a gradient is needed and FlexAttention has no backward on CPU"
+    return None
+
+
+def use_flex(variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> bool:
+    """Whether this call runs on Flex under the current backend (forced ``"flex"`` raises when it cannot)."""
+    backend = _settings["backend"]
+    if backend == "chunked" or (backend == "auto" and not _auto_may_pick_flex(variant, q)):
+        return False
+    if not is_pattern_variant(variant, call, q.shape[-2], k.shape[-2]):
+        return False
+    reason = unsupported_reason(variant, q, k, v, call)
+    if reason is None:
+        return True
+    if backend == "flex":
+        raise FlexUnavailableError(
+            f"attention_backend('flex') was forced, but attention-zoo variant {variant.name!r} cannot run this "
+            f"call on FlexAttention: {reason}. Use attention_backend('auto') to fall back to its kernel."
+        )
+    _log_fallback_once(variant.name, reason)
+    return False
+
+
+def _auto_may_pick_flex(variant: Variant, q: torch.Tensor) -> bool:
+    """CUDA: always; CPU: from the variant's measured crossover length on (checked before building its pattern)."""
+    return q.device.type == "cuda" or q.shape[-2] >= CPU_CROSSOVER.get(variant.name, math.inf)
+
+
+def is_pattern_variant(variant: Variant, call: AttentionCall, q_len: int, kv_len: int) -> bool:
+    """Exact, with a pattern: the variants the backend choice is about (others always run their own kernel: an
+    approximate one is no restricted softmax, and one without a pattern is dense, where SDPA is the fast kernel)."""
+    return variant.exact and variant.pattern(call, q_len, kv_len) is not None
+
+
+@functools.cache
+def _log_fallback_once(variant: str, reason: str) -> None:
+    logger.info("attention-zoo variant %r runs its chunked kernel instead of FlexAttention: %s.", variant, reason)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the call
+
+
+def attend(variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+    """(B, H, n, D) queries over (B, H_kv, n, D) keys/values (H a multiple of H_kv: GQA without expanding) ->
+    (B, H, n, D), softmax attention restricted to the variant's pattern, causality and padding."""
+    n = q.shape[-2]
+    length = bucket_length(n, q.device)
+    block_mask = block_mask_for(variant, call, q.shape[0], q.shape[1], n, q.device, length)
+    if length > n:  # the mask hides the padded keys; the padded query rows are cut off
+        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, length - n)) for x in (q, k, v))
+    kernel = _compiled_flex(q.device.type == "cuda") if _settings["compiled"] else flex_attention
+    out = kernel(q, k, v, block_mask=block_mask, scale=call.scaling, enable_gqa=q.shape[1] != k.shape[1])
+    return out[:, :, :n] if length > n else out
+
+
+def bucket_length(n: int, device: torch.device) -> int:
+    """The length Flex runs at. CUDA: n (compiled with dynamic shapes). CPU: n rounded up to 2^k or 1.5 * 2^k (at
+    least one tile), so prompts of varying length share a few static compilations -- torch 2.13's CPU template
+    fails to compile patterns with ``//`` or ``%`` under dynamic shapes (a C++ error naming ``cur_qSplitSize0``)."""
+    if device.type == "cuda":
+        return n
+    if n <= FLEX_BLOCK:
+        return FLEX_BLOCK
+    power = 1 << (n - 1).bit_length()
+    return power * 3 // 4 if power * 3 // 4 >= n else power
+
+
+@functools.cache
+def _compiled_flex(dynamic: bool) -> Callable:
+    """One compiled FlexAttention per shape policy (CUDA: dynamic, one compilation for every length; CPU: static,
+    one per length bucket of :func:`bucket_length`)."""
+    return torch.compile(flex_attention, dynamic=dynamic)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the block mask
+
+
+def block_mask_for(
+    variant: Variant, call: AttentionCall, batch: int, heads: int, n: int, device, length: int | None = None
+) -> BlockMask:
+    """The cached BlockMask of the variant's pattern for this call (built once per pattern identity and shape), for
+    inputs padded to ``length`` (default n) tokens."""
+    length = length or n
+    predicate = variant.pattern(call, n, n)
+    key = (_fingerprint(predicate), call.causal, _fingerprint(call.padding_mask), batch, heads, n, length,
+           torch.device(device))
+    mask = _masks.get(key)
+    if mask is None:
+        mask = build_block_mask(predicate, call.causal, call.padding_mask, batch, heads, n, device, length)
+        _masks[key] = mask
+        if len(_masks) > MASK_CACHE_SIZE:
+            _masks.popitem(last=False)
+    else:
+        _masks.move_to_end(key)
+    return mask
+
+
+def build_block_mask(
+    predicate: IndexPredicate, causal: bool, padding_mask: torch.Tensor | None, batch: int, heads: int, n: int, device,
+    length: int | None = None,
+) -> BlockMask:
+    """BlockMask (tiles of :data:`FLEX_BLOCK`) of ``predicate`` ∧ causality ∧ padding (keys) over n tokens, for
+    inputs padded to ``length`` tokens (the keys after n hidden). When the pattern covers whole tiles of some size g
+    (BigBird's blocks), the kernel looks it up in a (n/g)² table instead of running the predicate (which then need
+    not be traceable)."""
+    fine = fine_granularity(n)
+    pattern, combined = pattern_block_counts(predicate, causal, batch, heads, n, fine, device)
+    kernel_pattern = predicate
+    size = FLEX_BLOCK
+    while size >= fine:
+        counts = _pool(pattern, size // fine)
+        if bool(((counts == 0) | (counts == _block_area(n, size, device))).all()):
+            kernel_pattern = _block_lookup(_pad_tiles(counts > 0, math.ceil((length or n) / size)), size)
+            break
+        size //= 2
+    return _to_block_mask(kernel_pattern, _pool(combined, FLEX_BLOCK // fine), causal, padding_mask, n, length or n)
+
+
+def fine_granularity(n: int) -> int:
+    """Tile size at which a pattern is first counted: a power of two in [8, FLEX_BLOCK], at most ~512 tiles a side."""
+    return min(FLEX_BLOCK, max(8, 1 << max(0, math.ceil(n / 512) - 1).bit_length()))
+
+
+def pattern_block_counts(
+    predicate: IndexPredicate, causal: bool, batch: int, heads: int, n: int, block: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allowed pairs per (block x block) tile of the pattern alone and of pattern ∧ causality: two (B|1, H|1, nb, nb)
+    int32 tensors (B or H is 1 when the pattern does not depend on it). The predicate sees broadcast index tensors
+    for one chunk of query blocks at a time: never an n x n tensor."""
+    blocks = math.ceil(n / block)
+    index = {"device": device}
+    b = torch.arange(batch, **index)[:, None, None, None]
+    h = torch.arange(heads, **index)[None, :, None, None]
+    kv = torch.arange(n, **index)[None, None, None, :]
+
+    def allowed_rows(start: int, stop: int) -> torch.Tensor:
+        q = torch.arange(start, stop, **index)[None, None, :, None]
+        allowed = torch.as_tensor(predicate(b, h, q, kv), device=device)
+        return allowed.expand(*allowed.shape[:2], stop - start, n), q
+
+    probe, _ = allowed_rows(0, 1)  # batch and head dims the pattern really depends on size the chunks
+    rows_per_chunk = max(1, EVAL_ELEMENTS // (blocks * block * block * probe.shape[0] * probe.shape[1])) * block
+    pattern_parts, combined_parts = [], []
+    for start in range(0, blocks * block, rows_per_chunk):
+        allowed, q = allowed_rows(start, min(start + rows_per_chunk, n))
+        pattern_parts.append(_tile_sums(allowed, block))
+        combined_parts.append(_tile_sums(allowed & (kv <= q), block) if causal else pattern_parts[-1])
+    return _cat_broadcast(pattern_parts), _cat_broadcast(combined_parts)
+
+
+def _tile_sums(allowed: torch.Tensor, block: int) -> torch.Tensor:
+    """(B, H, rows, n) bool -> (B, H, ceil(rows/block), ceil(n/block)) int32 counts (out-of-range pairs: False)."""
+    rows, cols = allowed.shape[-2:]
+    padded = torch.nn.functional.pad(allowed, (0, -cols % block, 0, -rows % block))
+    tiles = padded.unflatten(-1, (-1, block)).unflatten(-3, (-1, block))  # (B, H, qb, block, kb, block)
+    return tiles.sum(dim=(-3, -1), dtype=torch.int32)
+
+
+def _cat_broadcast(parts: list[torch.Tensor]) -> torch.Tensor:
+    batch = max(p.shape[0] for p in parts)
+    heads = max(p.shape[1] for p in parts)
+    return torch.cat([p.expand(batch, heads, *p.shape[2:]) for p in parts], dim=2)
+
+
+def _pool(counts: torch.Tensor, factor: int) -> torch.Tensor:
+    """Counts of (factor x factor) groups of tiles: the counts at a block size ``factor`` times larger."""
+    if factor == 1:
+        return counts
+    rows, cols = counts.shape[-2:]
+    padded = torch.nn.functional.pad(counts, (0, -cols % factor, 0, -rows % factor))
+    return padded.unflatten(-1, (-1, factor)).unflatten(-3, (-1, factor)).sum(dim=(-3, -1), dtype=torch.int32)
+
+
+def _block_area(n: int, block: int, device) -> torch.Tensor:
+    """(nb, nb) pairs inside the sequence per tile (the last row and column of tiles may be ragged)."""
+    sizes = torch.full((math.ceil(n / block),), block, device=device)
+    sizes[-1] = n - block * (sizes.shape[0] - 1)
+    return sizes[:, None] * sizes[None, :]
+
+
+def _block_lookup(covered: torch.Tensor, block: int) -> IndexPredicate:
+    """The predicate of a pattern that covers whole blocks: one lookup in its (B|1, H|1, nb, nb) block table
+    (flattened: the CPU kernel template of torch 2.13 does not compile 2-D indexing of a captured tensor)."""
+    batches, heads, rows, cols = covered.shape
+    table = covered.flatten()
+
+    def block_pattern(b, h, q_idx, kv_idx):
+        index = (q_idx // block) * cols + kv_idx // block
+        if heads > 1:
+            index = index + h * (rows * cols)
+        if batches > 1:
+            index = index + b * (heads * rows * cols)
+        return table[index]
+
+    return block_pattern
+
+
+def _key_padding(padding_mask: torch.Tensor) -> IndexPredicate:
+    """transformers' ``padding_mask_function`` on a flattened (batch, n) mask (see :func:`_block_lookup`)."""
+    n = padding_mask.shape[-1]
+    real = padding_mask.flatten()
+    return lambda b, h, q_idx, kv_idx: real[b * n + kv_idx]
+
+
+def _to_block_mask(
+    pattern: IndexPredicate, counts: torch.Tensor, causal: bool, padding_mask: torch.Tensor | None, n: int,
+    length: int, block: int = FLEX_BLOCK,
+) -> BlockMask:
+    """BlockMask over ``length`` >= n tokens from tile counts of pattern ∧ causality over the first n and the key
+    padding (tile level: a tile is full when every pair is allowed and every key real, empty when no pair is allowed
+    or no key real; keys from n on are padding)."""
+    counts = _pad_tiles(counts, math.ceil(length / block))
+    full = counts == block * block
+    partial = counts > 0
+    parts = [pattern if length == n else _within(pattern, n, counts.device)]
+    if causal:
+        parts.append(causal_mask_function)
+    if padding_mask is not None or length > n:
+        real = padding_mask if padding_mask is not None else torch.ones(1, n, dtype=torch.bool)
+        real = torch.nn.functional.pad(real.to(device=counts.device, dtype=torch.bool), (0, length - n))
+        real_per_tile = _tile_sums(real[:, None, None, :], block)[:, :, :1]  # (B, 1, 1, tiles)
+        full, partial = full & (real_per_tile == block), partial & (real_per_tile > 0)
+        parts.append(_key_padding(real))
+    partial = partial & ~full
+    mask_mod = and_masks(*parts) if len(parts) > 1 else parts[0]
+    return BlockMask.from_kv_blocks(
+        *_ordered(partial), *_ordered(full), BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(length, length)
+    )
+
+
+def _within(pattern: IndexPredicate, n: int, device) -> IndexPredicate:
+    """``pattern`` on inputs padded beyond n: positions clamped into [0, n) (its captured tensors have n entries);
+    the key padding hides the padded keys, and the padded query rows are cut off. The bound is a tensor, so the
+    compiled kernel does not specialize on n."""
+    last = torch.tensor(n - 1, device=device)
+    return lambda b, h, q_idx, kv_idx: pattern(b, h, torch.minimum(q_idx, last), torch.minimum(kv_idx, last))
+
+
+def _pad_tiles(tiles: torch.Tensor, count: int) -> torch.Tensor:
+    """(..., nb, nb) tile table padded with zeros / False to (..., count, count)."""
+    return torch.nn.functional.pad(tiles, (0, count - tiles.shape[-1], 0, count - tiles.shape[-2]))
+
+
+def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, H, nq, nk) bool -> (count per query block row (B, H, nq), key block indices, the set ones first)."""
+    counts = tiles.sum(-1, dtype=torch.int32)
+    indices = tiles.to(torch.int8).argsort(dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts.contiguous(), indices.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pattern identity
+
+
+def _fingerprint(value: Any, depth: int = 0) -> Any:
+    """A hashable identity of a predicate (its code and the values it closes over) or of what it captured: two
+    layers whose patterns capture equal values share one BlockMask. Unknown objects count by identity."""
+    if depth > 4:
+        return id(value)
+    if value is None or isinstance(value, (bool, int, float, str, torch.device, torch.dtype)):
+        return value
+    if isinstance(value, torch.Tensor):
+        if value.numel() > FINGERPRINT_ELEMENTS:
+            return id(value)
+        data = value.detach().cpu().contiguous().flatten().view(torch.uint8)
+        return (tuple(value.shape), value.dtype, value.device, hash(tuple(data.tolist())))
+    if isinstance(value, (list, tuple)):
+        return tuple(_fingerprint(x, depth + 1) for x in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _fingerprint(v, depth + 1)) for k, v in value.items()))
+    if isinstance(value, types.FunctionType):
+        cells = tuple(_fingerprint(c.cell_contents, depth + 1) for c in value.__closure__ or ())
+        return (value.__code__, cells)
+    if isinstance(value, Variant):
+        return (type(value), repr(value.config))
+    if isinstance(value, AttentionCall):
+        return ("call", value.layer_idx, value.causal, _fingerprint(value.padding_mask, depth + 1),
+                _fingerprint(value.extra, depth + 1))
+    return id(value)
