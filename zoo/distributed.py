@@ -34,6 +34,17 @@ KIND_NAMES = {
 }  # every other type (MULTI_CPU, MULTI_GPU, MULTI_XPU, ...) is DistributedDataParallel: "DDP"
 
 
+def accelerator_available() -> bool:
+    """Without ``use_cpu`` on a machine with no accelerator, accelerate would not form a multi-process (gloo) group."""
+    xpu = getattr(torch, "xpu", None)
+    return torch.cuda.is_available() or torch.backends.mps.is_available() or bool(xpu and xpu.is_available())
+
+
+def is_main_process() -> bool:
+    """Rank 0 of a launch (torchrun sets RANK), readable before any process group exists."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def _launcher_asks(name: str) -> bool:
     return os.environ.get(name, "false").lower() == "true"
 
