@@ -208,8 +208,6 @@ def test_unknown_config_key_is_a_clear_error(tmp_path):
         ("max_steps", 12.5, "'max_steps' must be an integer, got 12.5"),
         ("seed", 4.5, "'seed' must be an integer, got 4.5"),
         ("max_length", [128], "'max_length' must be an integer, got \\[128\\]"),
-        ("disable_tqdm", "maybe", "'disable_tqdm' must be true or false"),
-        ("learning_rate", "1e-3", "'learning_rate' must be a number.*write 1.0e-3"),
         ("learning_rate", -0.1, "'learning_rate' must be at least 0"),
         ("max_train_examples", 0, "'max_train_examples' must be at least 1"),
         ("max_eval_examples", 0, "'max_eval_examples' must be at least 1"),
@@ -234,16 +232,17 @@ def test_a_key_written_twice_is_an_error_in_finetune_and_compare_configs(tmp_pat
         compare.load_compare_config(str(path))
 
 
-def test_activation_checkpointing_turns_on_gradient_checkpointing_and_saves_memory(tmp_path):
-    assert train.training_arguments(config(tmp_path, activation_checkpointing=True)).gradient_checkpointing
-    assert not train.training_arguments(config(tmp_path)).gradient_checkpointing
+def test_activation_checkpointing_reaches_trainer_and_saves_memory(tmp_path):
+    """The key is TrainingArguments' own (transformers 5.x; ``gradient_checkpointing`` is its deprecated alias)."""
+    assert train.training_arguments(config(tmp_path, activation_checkpointing=True)).activation_checkpointing
+    assert not train.training_arguments(config(tmp_path)).activation_checkpointing
 
     def saved_bytes(checkpointing: bool) -> int:
         bert = transformers.BertConfig(**{**TINY["model_config"], "num_hidden_layers": 4}, vocab_size=40)
         model = transformers.BertForSequenceClassification(zoo.configure(bert, "longformer", window=8)).train()
         model.set_attn_implementation(zoo.IMPLEMENTATION)
         if checkpointing:
-            model.gradient_checkpointing_enable()  # what Trainer does when gradient_checkpointing is set
+            model.activation_checkpointing_enable()  # what Trainer does when activation_checkpointing is set
         total = 0
 
         def pack(tensor):
@@ -476,7 +475,7 @@ def test_a_folder_held_by_a_live_run_is_refused_even_with_overwrite(tmp_path):
     lock = RunLock(tmp_path / "out").acquire()  # this (live) process holds it
     try:
         for overrides in ({}, {"overwrite_output_dir": True}):
-            with pytest.raises(RunLockedError, match=f"in use by a live run \\\\(pid {os.getpid()} "):
+            with pytest.raises(RunLockedError, match=re.escape(f"in use by a live run (pid {os.getpid()} ")):
                 train.run(config(tmp_path, **overrides))
     finally:
         lock.release()

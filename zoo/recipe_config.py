@@ -147,9 +147,8 @@ def check_values(cfg: FinetuneConfig) -> None:
             continue
         expected = next((t for t in (dict, bool, int, float, str) if t in allowed), str)
         if not _is_instance(value, expected) and not (str in allowed and isinstance(value, str)):
-            hint = " (YAML reads 1e-3 as text: write 1.0e-3)" if expected is float and isinstance(value, str) else ""
             raise ValueError(
-                f"config key {f.name!r} must be {TYPE_NAMES[expected]}, got {value!r} ({type(value).__name__}).{hint}"
+                f"config key {f.name!r} must be {TYPE_NAMES[expected]}, got {value!r} ({type(value).__name__})."
             )
         if f.name in MINIMUM and isinstance(value, int | float) and value < MINIMUM[f.name]:
             raise ValueError(f"config key {f.name!r} must be at least {MINIMUM[f.name]}, got {value!r}.")

@@ -219,7 +219,6 @@ def training_arguments(cfg: FinetuneConfig) -> TrainingArguments:
     defaults = {
         "use_cpu": not distributed.accelerator_available(),
         "ddp_find_unused_parameters": find_unused_parameters(cfg),
-        "gradient_checkpointing": cfg.activation_checkpointing,
     }
     return TrainingArguments(
         **{**defaults, **shared, **extra},
