@@ -3,8 +3,9 @@
 ``python recipes/compare.py CONFIG.yaml [--output_dir DIR] [--overwrite]``. Each run is a separate
 ``accelerate launch`` (with the config's ``launcher`` file; ``launcher: null`` runs plain python), so a
 variant that crashes, runs out of memory or is not installed is recorded in the table and the others go
-on. Writes ``results.md``, ``results.csv``, ``results.json`` and, per task, ``lra_<task>.png`` (accuracy
-against training tokens/s, bubble area = peak memory, as in the LRA paper's figure) and
+on; the command exits non-zero when any run failed or timed out (after writing the report). Writes
+``results.md``, ``results.csv``, ``results.json`` and, per task, ``lra_<task>.png`` (accuracy against training
+tokens/s, bubble area = peak memory, as in the LRA paper's figure) and
 ``accuracy_<task>.png`` (error bars: standard deviation over seeds). Language-modelling tasks (gutenberg_lm,
 brown_lm) report eval loss, perplexity, loss by token position and decode tokens/s instead of accuracy: the
 charts are ``lra_<task>.png`` with perplexity, ``perplexity_<task>.png`` and ``loss_by_position_<task>.png``
