@@ -14,7 +14,7 @@ import zoo
 from zoo import train
 
 TINY_BERT = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
-             "vocab_size": 50, "max_position_embeddings": 64}  # fmt: skip
+             "vocab_size": 50, "max_position_embeddings": 64, "attention_probs_dropout_prob": 0.0}  # fmt: skip
 
 
 def built_in_variants() -> list[str]:
