@@ -420,7 +420,7 @@ def resume_folder(tmp_path, full_run, *checkpoints):
 def test_checkpoint_without_optimizer_state_is_refused_unless_weights_only(tmp_path, full_run):
     out = resume_folder(tmp_path, full_run, "checkpoint-4")
     (out / "checkpoint-4" / "optimizer.pt").unlink()
-    with pytest.raises(FileNotFoundError, match=r"optimizer.pt \\(missing\\).*resume_weights_only: true"):
+    with pytest.raises(FileNotFoundError, match=r"optimizer.pt \(missing\).*resume_weights_only: true"):
         run_folder.resume_plan(config(tmp_path, resume_from_checkpoint=str(out / "checkpoint-4")))
     plan = run_folder.resume_plan(config(tmp_path, resume_from_checkpoint="true", resume_weights_only=True))
     assert plan.weights == str(out / "checkpoint-4") and plan.checkpoint is None  # step 0, fresh optimizer

@@ -313,7 +313,8 @@ def check_lm_config(cfg: FinetuneConfig, variant: zoo.Variant) -> None:
 
 def check_output_dir(cfg: FinetuneConfig) -> None:
     out = Path(cfg.output_dir)
-    RunLock(out).refuse_if_live()  # before any other advice about the folder: a live run holds it
+    if distributed.is_main_process():  # the other processes of a launch see their own main process's lock
+        RunLock(out).refuse_if_live()  # before any other advice about the folder: a live run holds it
     if isinstance(cfg.resume_from_checkpoint, str) and not Path(cfg.resume_from_checkpoint).is_dir():
         raise FileNotFoundError(f"resume_from_checkpoint={cfg.resume_from_checkpoint!r} is not a checkpoint folder.")
     if cfg.resume_from_checkpoint or cfg.overwrite_output_dir or not out.is_dir():
