@@ -3,6 +3,7 @@ with ``recipes/accelerate/multi_cpu.yaml``). DDP is set up as zoo.train sets it 
 (:func:`zoo.train.find_unused_parameters`), so a variant that leaves a parameter without a gradient and does not
 declare it fails here at its second step."""
 
+import os
 import sys
 
 import torch
@@ -42,16 +43,21 @@ def two_steps(name: str) -> None:
         optimizer.zero_grad()
 
 
+def report(line: str) -> None:
+    """One write per line: the ranks share the pipe, and print's separate newline write lets their lines interleave."""
+    os.write(sys.stdout.fileno(), f"rank {dist.get_rank()} {line}\n".encode())
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     failed = []
     for name in built_in_variants():
         try:
             two_steps(name)
-            print(f"rank {dist.get_rank()} DDP ok: {name}", flush=True)
+            report(f"DDP ok: {name}")
         except Exception as exc:  # noqa: BLE001 -- report every variant, then fail
             failed.append(name)
-            print(f"rank {dist.get_rank()} DDP failed: {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            report(f"DDP failed: {name}: {type(exc).__name__}: {str(exc)[:300]}")
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
 

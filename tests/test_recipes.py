@@ -16,10 +16,11 @@ import pytest
 import torch
 import transformers
 import yaml
+from accelerate.utils import FullyShardedDataParallelPlugin
 from safetensors.torch import load_file
 
 import zoo
-from zoo import compare, run_folder, train
+from zoo import compare, distributed, run_folder, train
 from zoo.data import UnknownTaskError, build_task
 from zoo.longify import PositionLimitError
 from zoo.run_lock import RunLock, RunLockedError
@@ -159,16 +160,7 @@ def test_every_built_in_variant_trains_under_two_ddp_processes(env):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "launcher",
-    [
-        MULTI_CPU,
-        pytest.param(FSDP, marks=pytest.mark.xfail(strict=True, reason=(
-            "open: fully_shard fails at init for reformer (torch _fsdp_param._init_sharding_spec_tp: a parameter is "
-            "already a DTensor when the root is sharded, probably one shared across layers)"))),
-    ],
-    ids=["ddp", "fsdp"],
-)  # fmt: skip
+@pytest.mark.parametrize("launcher", [MULTI_CPU, FSDP], ids=["ddp", "fsdp"])
 def test_reformer_recipe_trains_under_two_processes(workdir, tiny_config, env, launcher):
     out = workdir / f"reformer-{launcher.stem}"
     finetune(tiny_config, env, "--output_dir", out, "--variant", "reformer", "--variant_params", "{bucket_size: 16}",
@@ -176,6 +168,15 @@ def test_reformer_recipe_trains_under_two_processes(workdir, tiny_config, env, l
     record = results(out)
     assert record["variant"] == "reformer" and record["world_size"] == 2
     assert record["distributed_type"] == ("FSDP" if launcher == FSDP else "DDP")
+
+
+def test_fsdp_wraps_no_module_that_holds_the_input_embeddings():
+    """accelerate shards the input embeddings as their own unit after the per-layer units; BERT lists BertEmbeddings
+    among its _no_split_modules, and sharding it first made that second fully_shard fail for every BERT model."""
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(**TINY["model_config"]))
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="TRANSFORMER_BASED_WRAP")
+    distributed.keep_input_embeddings_unwrapped(plugin, model)
+    assert plugin.transformer_cls_names_to_wrap == ["BertLayer"]
 
 
 def test_resume_from_checkpoint_matches_an_uninterrupted_run(workdir, tiny_config, env, full_run):
