@@ -436,6 +436,20 @@ def test_checkpoint_without_optimizer_state_is_refused_unless_weights_only(tmp_p
     assert plan.weights == str(out / "checkpoint-4") and plan.checkpoint is None  # step 0, fresh optimizer
 
 
+def test_an_fsdp_checkpoint_counts_as_complete(tmp_path):
+    """Under FSDP, transformers' Trainer saves the optimizer as optimizer.bin (or a sharded optimizer_0 folder)."""
+    checkpoint = tmp_path / "checkpoint-4"
+    checkpoint.mkdir()
+    for name in ("model.safetensors", "pytorch_model_fsdp.bin", "optimizer.bin", "scheduler.pt"):
+        (checkpoint / name).write_bytes(b"x")
+    (checkpoint / "trainer_state.json").write_text("{}")
+    for rank in (0, 1):
+        torch.save({}, checkpoint / f"rng_state_{rank}.pth")
+    assert run_folder.missing_files(checkpoint) == []
+    (checkpoint / "optimizer.bin").unlink()
+    assert run_folder.missing_files(checkpoint) == ["optimizer.pt (missing)"]
+
+
 def test_resume_true_skips_an_incomplete_checkpoint_and_says_so(tmp_path, full_run, caplog):
     out = resume_folder(tmp_path, full_run, "checkpoint-4", "checkpoint-8")
     (out / "checkpoint-8" / "rng_state.pth").write_bytes(b"")  # as a full disk left it

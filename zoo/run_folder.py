@@ -30,9 +30,12 @@ from zoo.recipe_config import FinetuneConfig, resolve_pretrained
 from zoo.run_lock import RunLock
 
 logger = logging.getLogger("zoo.train")
-# What a checkpoint needs for an exact resume (besides the weights and one RNG file per process).
-STATE_FILES = ("optimizer.pt", "scheduler.pt", "trainer_state.json")
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+# What a checkpoint needs for an exact resume, besides one RNG file per process: each entry is satisfied by any of its
+# non-empty files or folders (the first is named when none is there). Under FSDP, transformers' Trainer writes the
+# optimizer as optimizer.bin (full state dict) or an optimizer_0 folder (sharded), and adds pytorch_model_fsdp*.
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model_fsdp.bin",
+           "pytorch_model_fsdp_0")  # fmt: skip
+STATE = (("optimizer.pt", "optimizer.bin", "optimizer_0"), ("scheduler.pt",), ("trainer_state.json",))
 # Files a previous run wrote that the next one would append to or leave beside its own (--overwrite_output_dir).
 RUN_FILES = (
     "results.json", "train_log.jsonl", "eval_predictions.csv", "sample.json", "sample.txt", "trainer_state.json",
@@ -66,22 +69,14 @@ def clear_previous_run(out: Path) -> None:
 def missing_files(checkpoint: Path, weights_only: bool = False) -> list[str]:
     """What an exact resume needs and this checkpoint lacks: missing or empty files, an unreadable trainer state or
     RNG file (an interrupted write). Empty: the checkpoint is complete."""
-    problems = []
-    if not any((checkpoint / name).is_file() and (checkpoint / name).stat().st_size for name in WEIGHT_FILES):
-        problems.append("model.safetensors (missing or empty)")
-    for name in () if weights_only else STATE_FILES:
-        path = checkpoint / name
-        if not path.is_file():
-            problems.append(f"{name} (missing)")
-        elif not path.stat().st_size:
-            problems.append(f"{name} (empty)")
+    problems = [] if _present(checkpoint, WEIGHTS) else [f"{WEIGHTS[0]} (missing or empty)"]
     if weights_only:
         return problems
-    if "trainer_state.json (missing)" not in problems and "trainer_state.json (empty)" not in problems:
-        try:
-            json.loads((checkpoint / "trainer_state.json").read_text())
-        except ValueError:
-            problems.append("trainer_state.json (cut short)")
+    for names in STATE:
+        if not _present(checkpoint, names):
+            problems.append(f"{names[0]} ({'empty' if (checkpoint / names[0]).exists() else 'missing'})")
+        elif names[0].endswith(".json") and not _parses_as_json(checkpoint / names[0]):
+            problems.append(f"{names[0]} (cut short)")
     rng_files = sorted(checkpoint.glob("rng_state*.pth"))
     if not rng_files:
         problems.append("rng_state.pth (missing)")
@@ -91,6 +86,20 @@ def missing_files(checkpoint: Path, weights_only: bool = False) -> list[str]:
         except Exception:  # noqa: BLE001 -- any unreadable RNG file makes the checkpoint incomplete
             problems.append(f"{path.name} (unreadable)")
     return problems
+
+
+def _present(checkpoint: Path, names: tuple[str, ...]) -> bool:
+    """Any of these names is a non-empty file or a non-empty folder in the checkpoint."""
+    paths = [checkpoint / name for name in names]
+    return any(p.stat().st_size if p.is_file() else p.is_dir() and any(p.iterdir()) for p in paths)
+
+
+def _parses_as_json(path: Path) -> bool:
+    try:
+        json.loads(path.read_text())
+    except ValueError:
+        return False
+    return True
 
 
 def checkpoints_newest_first(out: Path) -> list[Path]:
