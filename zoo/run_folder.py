@@ -215,12 +215,13 @@ class Trainer(distributed.Trainer):
             if self.args.should_save:
                 shutil.rmtree(folder, ignore_errors=True)  # never resumable: resume_from_checkpoint skips nothing half
             free = shutil.disk_usage(folder.parent).free / 2**20
-            raise OSError(
-                errno.ENOSPC if "space" in str(exc).lower() or getattr(exc, "errno", None) == errno.ENOSPC else None,
+            message = (
                 f"writing checkpoint {folder} failed ({type(exc).__name__}: {exc}); {free:.0f} MB free on "
                 f"{folder.parent}. The partial checkpoint was removed; free space (the model with its optimizer "
-                "state takes about 3x the weights) and resume from the previous checkpoint.",
-            ) from exc
+                "state takes about 3x the weights) and resume from the previous checkpoint."
+            )
+            disk_full = "space" in str(exc).lower() or getattr(exc, "errno", None) == errno.ENOSPC
+            raise (OSError(errno.ENOSPC, message) if disk_full else OSError(message)) from exc
 
 
 def is_write_failure(exc: BaseException) -> bool:

@@ -1,8 +1,8 @@
 """One live run per output folder: ``output_dir/run.lock`` holds the run's pid, host and start time.
 
 A second run into the folder is refused at once, naming the holder; a lock left by a process that is no longer
-alive (killed, crashed) is taken over with a log line. The lock is created atomically (``O_EXCL``), so two runs
-starting at the same moment cannot both take it.
+alive (killed, crashed) is taken over with a log line. The lock is created atomically (a hard link to a written draft),
+so two runs starting at the same moment cannot both take it, and no run sees a lock without its record.
 """
 
 from __future__ import annotations
