@@ -2,9 +2,12 @@
 
 import collections
 import csv
+import errno
 import json
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,15 +16,18 @@ import pytest
 import torch
 import transformers
 import yaml
+from accelerate.utils import FullyShardedDataParallelPlugin
 from safetensors.torch import load_file
 
 import zoo
-from zoo import compare, train
+from zoo import compare, distributed, run_folder, train
 from zoo.data import UnknownTaskError, build_task
 from zoo.longify import PositionLimitError
+from zoo.run_lock import RunLock, RunLockedError
 
 REPO = Path(__file__).resolve().parents[1]
 MULTI_CPU = REPO / "recipes" / "accelerate" / "multi_cpu.yaml"
+FSDP = REPO / "recipes" / "accelerate" / "fsdp.yaml"
 RESULTS_KEYS = {
     "task", "dataset", "variant", "variant_params", "variant_package", "variant_version", "model", "base_model",
     "model_type", "architecture", "max_length", "num_labels", "label_names", "num_processes", "seed", "metrics",
@@ -73,12 +79,21 @@ def tiny_config(workdir):
     return path
 
 
-def finetune(config, env, *overrides, launcher=None):
-    prefix = [sys.executable, "-m", "zoo.train"]
-    if launcher:
-        prefix = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launcher), "-m", "zoo.train"]
-    done = subprocess.run([*prefix, str(config), *map(str, overrides)], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+def launch_prefix(launcher=None, script=("-m", "zoo.train")) -> list[str]:
+    """python, or accelerate with a launcher file (fsdp.yaml: 2 processes, no mixed precision, as on this CPU)."""
+    if not launcher:
+        return [sys.executable, *script]
+    prefix = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launcher)]
+    if Path(launcher) == FSDP:
+        prefix += ["--num_processes", "2", "--mixed_precision", "no"]
+    return [*prefix, *script]
+
+
+def finetune(config, env, *overrides, launcher=None, check=True):
+    command = [*launch_prefix(launcher), str(config), *map(str, overrides)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if check:
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 
 
@@ -133,6 +148,37 @@ def test_two_processes_count_every_eval_example_once(workdir, tiny_config, env):
     assert accuracy == pytest.approx(record["metrics"]["eval_accuracy"])
 
 
+def test_every_built_in_variant_trains_under_two_ddp_processes(env):
+    """One launch, every built-in variant: DDP set up as the recipe sets it up (reformer leaves its key projection
+    without a gradient; with find_unused_parameters=False, as before, it failed at its second step)."""
+    command = launch_prefix(MULTI_CPU, script=[str(REPO / "tests" / "ddp_variants.py")])
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    trained = set(re.findall(r"rank 0 DDP ok: (\w+)", done.stdout))
+    built_in = {n for n in zoo.list_variants() if zoo.get_variant_class(n).__module__.startswith("zoo.variants")}
+    assert trained == built_in and "reformer" in trained
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", [MULTI_CPU, FSDP], ids=["ddp", "fsdp"])
+def test_reformer_recipe_trains_under_two_processes(workdir, tiny_config, env, launcher):
+    out = workdir / f"reformer-{launcher.stem}"
+    finetune(tiny_config, env, "--output_dir", out, "--variant", "reformer", "--variant_params", "{bucket_size: 16}",
+             "--max_steps", 3, "--save_strategy", "no", launcher=launcher)  # fmt: skip
+    record = results(out)
+    assert record["variant"] == "reformer" and record["world_size"] == 2
+    assert record["distributed_type"] == ("FSDP" if launcher == FSDP else "DDP")
+
+
+def test_fsdp_wraps_no_module_that_holds_the_input_embeddings():
+    """accelerate shards the input embeddings as their own unit after the per-layer units; BERT lists BertEmbeddings
+    among its _no_split_modules, and sharding it first made that second fully_shard fail for every BERT model."""
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(**TINY["model_config"]))
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="TRANSFORMER_BASED_WRAP")
+    distributed.keep_input_embeddings_unwrapped(plugin, model)
+    assert plugin.transformer_cls_names_to_wrap == ["BertLayer"]
+
+
 def test_resume_from_checkpoint_matches_an_uninterrupted_run(workdir, tiny_config, env, full_run):
     out = workdir / "resumed"
     out.mkdir()
@@ -164,6 +210,62 @@ def test_unknown_config_key_is_a_clear_error(tmp_path):
     path.write_text(yaml.safe_dump({**TINY, "output_dir": "x", "learning_rte": 0.1}))
     with pytest.raises(ValueError, match="unknown key 'learning_rte'. Did you mean 'learning_rate'"):
         train.parse_config([str(path)])
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("max_steps", 12.5, "'max_steps' must be an integer, got 12.5"),
+        ("seed", 4.5, "'seed' must be an integer, got 4.5"),
+        ("max_length", [128], "'max_length' must be an integer, got \\[128\\]"),
+        ("learning_rate", -0.1, "'learning_rate' must be at least 0"),
+        ("max_train_examples", 0, "'max_train_examples' must be at least 1"),
+        ("max_eval_examples", 0, "'max_eval_examples' must be at least 1"),
+        ("max_steps", 0, "'max_steps' must be a positive integer, or -1"),
+        ("save_strategy", "sometimes", "'save_strategy' must be one of no, steps, epoch"),
+    ],
+)
+def test_wrong_config_values_name_the_key_when_parsed(tmp_path, key, value, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "output_dir": "x", key: value}))
+    with pytest.raises(ValueError, match=message):
+        train.parse_config([str(path)])
+
+
+def test_a_key_written_twice_is_an_error_in_finetune_and_compare_configs(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "output_dir": "x"}) + "seed: 8\n")
+    with pytest.raises(ValueError, match="key 'seed' appears twice"):
+        train.parse_config([str(path)])
+    path.write_text("launcher: null\ntasks: []\nlauncher: null\n")
+    with pytest.raises(ValueError, match="key 'launcher' appears twice"):
+        compare.load_compare_config(str(path))
+
+
+def test_activation_checkpointing_reaches_trainer_and_saves_memory(tmp_path):
+    """The key is TrainingArguments' own (transformers 5.x; ``gradient_checkpointing`` is its deprecated alias)."""
+    assert train.training_arguments(config(tmp_path, activation_checkpointing=True)).activation_checkpointing
+    assert not train.training_arguments(config(tmp_path)).activation_checkpointing
+
+    def saved_bytes(checkpointing: bool) -> int:
+        bert = transformers.BertConfig(**{**TINY["model_config"], "num_hidden_layers": 4}, vocab_size=40)
+        model = transformers.BertForSequenceClassification(zoo.configure(bert, "longformer", window=8)).train()
+        model.set_attn_implementation(zoo.IMPLEMENTATION)
+        if checkpointing:
+            model.activation_checkpointing_enable()  # what Trainer does when activation_checkpointing is set
+        total = 0
+
+        def pack(tensor):
+            nonlocal total
+            total += tensor.numel() * tensor.element_size()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # kept for backward by the forward
+            loss = model(input_ids=torch.randint(1, 40, (2, 64)), labels=torch.tensor([0, 1])).loss
+        loss.backward()  # recomputes the checkpointed layers
+        return total
+
+    assert saved_bytes(True) < 0.6 * saved_bytes(False)
 
 
 def test_unknown_task_is_refused(tmp_path):
@@ -248,6 +350,49 @@ def test_compare_records_failures_and_writes_the_report(workdir, tiny_config, en
         compare.compare(str(compare_config), str(out))
 
 
+TORCHRUN_LOG = """\
+[rank0]: Traceback (most recent call last):
+[rank0]:   File "zoo/train.py", line 597, in run
+[rank0]: RuntimeError: Expected to have finished reduction in the prior iteration before starting a new one.
+[rank1]: Traceback (most recent call last):
+[rank1]: torch.distributed.DistBackendError: Connection closed by peer
+Traceback (most recent call last):
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+Failures:
+[1]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : -15 (pid: 7625)
+  traceback : Signal 15 (SIGTERM) received by PID 7625
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 7621)
+"""
+
+
+def test_a_failed_launch_reports_the_first_failing_ranks_exception(tmp_path):
+    log = tmp_path / "run.log"
+    log.write_text(TORCHRUN_LOG)
+    assert compare.last_error(log) == (
+        "rank 0: RuntimeError: Expected to have finished reduction in the prior iteration before starting a new one."
+    )
+    log.write_text(TORCHRUN_LOG.replace("Root Cause", "Root").replace("[rank0]", "[rank2]"))
+    assert compare.last_error(log).startswith("rank 2: RuntimeError")  # no root cause named: the first to raise
+
+
+def test_compare_exits_non_zero_after_reporting_a_failed_run(workdir, tiny_config, tmp_path, monkeypatch):
+    compare_config = tmp_path / "compare.yaml"
+    compare_config.write_text(yaml.safe_dump({
+        "variants": [{"name": "broken", "variant": "longformer", "variant_params": {"window": -4}}],
+        "tasks": [{"name": "listops", "config": str(tiny_config)}],
+    }))  # fmt: skip
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with pytest.raises(SystemExit, match=r"1 run\(s\) did not finish.*listops / broken: failed"):
+        compare.main([str(compare_config), "--output_dir", str(tmp_path / "out")])
+    assert "**broken** (failed)" in (tmp_path / "out" / "results.md").read_text()
+
+
 # --- shipped configs ------------------------------------------------------------------------------
 
 CONFIGS = REPO / "recipes" / "configs"
@@ -268,3 +413,130 @@ def test_shipped_compare_configs_plan_their_runs(path, tmp_path, monkeypatch):
     runs = compare.plan_runs(compare.load_compare_config(str(path)), tmp_path)
     assert len({(r.task, r.name) for r in runs}) >= 5
     assert any(r.config.get("variant") == "sdpa" for r in runs)
+
+
+# --- resume: exact or refused ----------------------------------------------------------------------
+
+
+def resume_folder(tmp_path, full_run, *checkpoints):
+    """An output_dir holding copies of the full run's checkpoints (checkpoint-4: mid-run, checkpoint-8: the end)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in checkpoints:
+        shutil.copytree(full_run / name, out / name)
+    return out
+
+
+def test_checkpoint_without_optimizer_state_is_refused_unless_weights_only(tmp_path, full_run):
+    out = resume_folder(tmp_path, full_run, "checkpoint-4")
+    (out / "checkpoint-4" / "optimizer.pt").unlink()
+    with pytest.raises(FileNotFoundError, match=r"optimizer.pt \(missing\).*resume_weights_only: true"):
+        run_folder.resume_plan(config(tmp_path, resume_from_checkpoint=str(out / "checkpoint-4")))
+    plan = run_folder.resume_plan(config(tmp_path, resume_from_checkpoint="true", resume_weights_only=True))
+    assert plan.weights == str(out / "checkpoint-4") and plan.checkpoint is None  # step 0, fresh optimizer
+
+
+def test_an_fsdp_checkpoint_counts_as_complete(tmp_path):
+    """Under FSDP, transformers' Trainer saves the optimizer as optimizer.bin (or a sharded optimizer_0 folder)."""
+    checkpoint = tmp_path / "checkpoint-4"
+    checkpoint.mkdir()
+    for name in ("model.safetensors", "pytorch_model_fsdp.bin", "optimizer.bin", "scheduler.pt"):
+        (checkpoint / name).write_bytes(b"x")
+    (checkpoint / "trainer_state.json").write_text("{}")
+    for rank in (0, 1):
+        torch.save({}, checkpoint / f"rng_state_{rank}.pth")
+    assert run_folder.missing_files(checkpoint) == []
+    (checkpoint / "optimizer.bin").unlink()
+    assert run_folder.missing_files(checkpoint) == ["optimizer.pt (missing)"]
+
+
+def test_resume_true_skips_an_incomplete_checkpoint_and_says_so(tmp_path, full_run, caplog):
+    out = resume_folder(tmp_path, full_run, "checkpoint-4", "checkpoint-8")
+    (out / "checkpoint-8" / "rng_state.pth").write_bytes(b"")  # as a full disk left it
+    plan = run_folder.resume_plan(config(tmp_path, resume_from_checkpoint="true", max_steps=12))
+    assert plan.checkpoint == str(out / "checkpoint-4")
+    assert "skipped the incomplete checkpoint-8 (rng_state.pth (unreadable))" in caplog.text
+    (out / "checkpoint-4" / "scheduler.pt").unlink()
+    with pytest.raises(FileNotFoundError, match="no checkpoint in .* is complete.*scheduler.pt"):
+        run_folder.resume_plan(config(tmp_path, resume_from_checkpoint="true"))
+
+
+def test_resuming_a_finished_run_does_nothing(tmp_path, full_run, caplog):
+    out = resume_folder(tmp_path, full_run, "checkpoint-8")
+    (out / "results.json").write_text("{}")
+    assert train.run(config(tmp_path, resume_from_checkpoint="true")) is None
+    assert "at step 8 of max_steps 8: the run is finished" in caplog.text
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-8", "results.json"]
+    assert (out / "results.json").read_text() == "{}"
+
+
+def test_resuming_with_another_variant_or_model_is_refused(tmp_path, full_run):
+    resume_folder(tmp_path, full_run, "checkpoint-4")
+    resume = {"resume_from_checkpoint": "true"}
+    with pytest.raises(ValueError, match="trained with variant 'sdpa'.*asks for 'longformer'"):
+        run_folder.resume_plan(config(tmp_path, variant="longformer", variant_params={"window": 8}, **resume))
+    bigger = {**TINY["model_config"], "hidden_size": 64}
+    with pytest.raises(ValueError, match="another model .*hidden_size: checkpoint 32, this run 64"):
+        run_folder.resume_plan(config(tmp_path, model_config=bigger, **resume))
+
+
+@pytest.mark.slow
+def test_weights_only_resume_starts_a_fresh_schedule_from_the_weights(workdir, tiny_config, env, full_run):
+    out = workdir / "weights_only"
+    out.mkdir()
+    shutil.copytree(full_run / "checkpoint-4", out / "checkpoint-4")
+    (out / "checkpoint-4" / "optimizer.pt").unlink()
+    finetune(tiny_config, env, "--output_dir", out, "--resume_from_checkpoint", out / "checkpoint-4",
+             "--resume_weights_only", "true", "--max_steps", 2, "--save_strategy", "no")  # fmt: skip
+    steps = [json.loads(line)["step"] for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert min(steps) == 2 and results(out)["max_steps"] == 2  # counted from step 0
+
+
+# --- one run per output folder ----------------------------------------------------------------------
+
+
+def test_a_folder_held_by_a_live_run_is_refused_even_with_overwrite(tmp_path):
+    lock = RunLock(tmp_path / "out").acquire()  # this (live) process holds it
+    try:
+        for overrides in ({}, {"overwrite_output_dir": True}):
+            with pytest.raises(RunLockedError, match=re.escape(f"in use by a live run (pid {os.getpid()} ")):
+                train.run(config(tmp_path, **overrides))
+    finally:
+        lock.release()
+    assert not (tmp_path / "out" / "run.lock").exists()
+
+
+def test_a_stale_lock_is_taken_over_and_overwrite_clears_the_previous_run(tmp_path, caplog, monkeypatch):
+    out = tmp_path / "out"
+    (out / "checkpoint-4").mkdir(parents=True)
+    (out / "train_log.jsonl").write_text('{"step": 2}\n')
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (out / "run.lock").write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname()}))
+    lock = run_folder.lock_output_dir(config(tmp_path, overwrite_output_dir=True))
+    try:
+        assert "taking over" in caplog.text and json.loads((out / "run.lock").read_text())["pid"] == os.getpid()
+        assert sorted(p.name for p in out.iterdir()) == ["run.lock"]  # nothing of the previous run left to mix
+    finally:
+        lock.release()
+    monkeypatch.setenv("RANK", "1")  # the other processes of a launch leave the lock to rank 0
+    assert not run_folder.lock_output_dir(config(tmp_path)).held and not (out / "run.lock").exists()
+
+
+# --- checkpoint writes --------------------------------------------------------------------------------
+
+
+def test_disk_full_while_checkpointing_names_the_folder_and_leaves_nothing_resumable(tmp_path, monkeypatch):
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if str(f).endswith("optimizer.pt"):
+            Path(f).write_bytes(b"")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    cfg = config(tmp_path, max_steps=2, save_steps=2, eval_strategy="no")
+    with pytest.raises(OSError, match=r"writing checkpoint .*checkpoint-2 failed.*No space left.*MB free on"):
+        train.run(cfg)
+    out = Path(cfg.output_dir)
+    assert not (out / "checkpoint-2").exists() and not (out / "run.lock").exists()

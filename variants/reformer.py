@@ -46,6 +46,7 @@ MAX_ROTATION = 128  # automatic bucket counts above this are hashed as the produ
 class ReformerAttention(Variant):
     name = "reformer"
     exact = False
+    trains_every_parameter = False  # shared-QK: the model's key projection gets no gradient
     time_complexity = "O(n·r·(c·d + log n))"
     memory_complexity = "O(n·r·c)"
     params = {

@@ -3,8 +3,9 @@
 ``python recipes/compare.py CONFIG.yaml [--output_dir DIR] [--overwrite]``. Each run is a separate
 ``accelerate launch`` (with the config's ``launcher`` file; ``launcher: null`` runs plain python), so a
 variant that crashes, runs out of memory or is not installed is recorded in the table and the others go
-on. Writes ``results.md``, ``results.csv``, ``results.json`` and, per task, ``lra_<task>.png`` (accuracy
-against training tokens/s, bubble area = peak memory, as in the LRA paper's figure) and
+on; the command exits non-zero when any run failed or timed out (after writing the report). Writes
+``results.md``, ``results.csv``, ``results.json`` and, per task, ``lra_<task>.png`` (accuracy against training
+tokens/s, bubble area = peak memory, as in the LRA paper's figure) and
 ``accuracy_<task>.png`` (error bars: standard deviation over seeds). Language-modelling tasks (gutenberg_lm,
 brown_lm) report eval loss, perplexity, loss by token position and decode tokens/s instead of accuracy: the
 charts are ``lra_<task>.png`` with perplexity, ``perplexity_<task>.png`` and ``loss_by_position_<task>.png``
@@ -48,8 +49,9 @@ import yaml
 from tqdm.auto import tqdm
 
 from zoo.data import get_task
+from zoo.recipe_config import FinetuneConfig, check_known_keys, load_yaml
 from zoo.reporting import fixed, markdown_table, pyplot, save_figure, write_csv
-from zoo.train import FinetuneConfig, check_known_keys, load_yaml, package_versions
+from zoo.results import package_versions
 
 COMPARE_KEYS = ("output_dir", "launcher", "seeds", "timeout_minutes", "overrides", "variants", "tasks")
 TASK_KEYS = ("name", "config", "overrides", "variants")
@@ -59,6 +61,7 @@ SPEED_COLUMNS = (
     "wall_time_seconds",
 )  # fmt: skip
 # The headline metric of a task kind: results.json key and its label (accuracy: higher is better; perplexity: lower).
+FAILED = ("failed", "timeout")  # statuses that make the command exit non-zero (after writing the report)
 HEADLINE = {"classification": ("eval_accuracy", "accuracy"), "lm": ("eval_perplexity", "perplexity")}
 
 
@@ -178,21 +181,47 @@ def launch(run: Run, launcher: str | None, timeout_s: float) -> Outcome:
 ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception|Interrupt))\b:?(.*)$")
 WRAPPER_ERRORS = ("ChildFailedError", "CalledProcessError")
 CRASH_LINE = re.compile(r"(Signal \d+ \(\w+\) received by PID \d+|terminate called .*|Killed|Segmentation fault.*)")
+RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:\s?(.*)$")  # torchrun prefixes each worker's output lines
+ROOT_CAUSE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 
 
 def last_error(log_path: Path) -> str:
-    """The last ``SomethingError: message`` line of a log (not the launcher's wrapper errors), else a crash."""
+    """The failing process's exception (``SomethingError: message``), else a crash line, else the log's last line.
+
+    Under a launcher, the exception of the rank torchrun names as the root cause (or of the rank that raised first):
+    the other ranks then fail only because they were stopped (``Signal 15 (SIGTERM)``) or lost their peer.
+    """
     lines = log_path.read_text(errors="replace").splitlines()
-    for line in reversed(lines):
-        match = ERROR_LINE.match(line.strip())
-        if match and match.group(1) not in WRAPPER_ERRORS:
-            return line.strip()[:500]
+    errors = []  # (rank or None, line) of every exception line, in log order
+    for line in lines:
+        match = RANK_PREFIX.match(line.strip())
+        rank, text = (int(match.group(1)), match.group(2).strip()) if match else (None, line.strip())
+        error = ERROR_LINE.match(text)
+        if error and error.group(1) not in WRAPPER_ERRORS:
+            errors.append((rank, text))
+    if errors:
+        rank = root_cause_rank(lines)
+        if rank is None or all(r != rank for r, _ in errors):
+            rank = errors[0][0]  # the first to raise
+        text = [t for r, t in errors if r == rank][-1]
+        return (text if rank is None else f"rank {rank}: {text}")[:500]
     for line in reversed(lines):
         crash = CRASH_LINE.search(line)
         if crash:
             return crash.group(1)[:500]
     tail = [line.strip() for line in lines if line.strip()]
     return tail[-1][:500] if tail else "no output"
+
+
+def root_cause_rank(lines: list[str]) -> int | None:
+    """The rank under torchrun's "Root Cause (first observed failure)" heading, if the log has one."""
+    for i, line in enumerate(lines):
+        if line.startswith("Root Cause"):
+            for follow in lines[i + 1 : i + 8]:
+                match = ROOT_CAUSE_RANK.match(follow)
+                if match:
+                    return int(match.group(1))
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -441,7 +470,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output_dir", "--output-dir", help="overrides the config's output_dir")
     parser.add_argument("--overwrite", action="store_true", help="replace a comparison already in output_dir")
     args = parser.parse_args(argv)
-    compare(args.config, args.output_dir, args.overwrite)
+    summary = compare(args.config, args.output_dir, args.overwrite)
+    failed = [f"{r['task']} / {r['name']}: {r['status']}" for r in summary if r["status"] in FAILED]
+    if failed:
+        raise SystemExit(f"{len(failed)} run(s) did not finish (see the report): " + "; ".join(failed))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import torch
 import transformers
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 KIND_NAMES = {
     DistributedType.NO: "single",
@@ -32,6 +33,17 @@ KIND_NAMES = {
     DistributedType.MEGATRON_LM: "Megatron-LM",
     DistributedType.XLA: "XLA",
 }  # every other type (MULTI_CPU, MULTI_GPU, MULTI_XPU, ...) is DistributedDataParallel: "DDP"
+
+
+def accelerator_available() -> bool:
+    """Without ``use_cpu`` on a machine with no accelerator, accelerate would not form a multi-process (gloo) group."""
+    xpu = getattr(torch, "xpu", None)
+    return torch.cuda.is_available() or torch.backends.mps.is_available() or bool(xpu and xpu.is_available())
+
+
+def is_main_process() -> bool:
+    """Rank 0 of a launch (torchrun sets RANK), readable before any process group exists."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def _launcher_asks(name: str) -> bool:
@@ -67,6 +79,8 @@ class Trainer(transformers.Trainer):
         super().create_accelerator_and_postprocess()
         if _launcher_asks("ACCELERATE_USE_FSDP") and self.accelerator.distributed_type == DistributedType.MULTI_CPU:
             self._enable_fsdp_on_cpu()
+        if self.is_fsdp_enabled:
+            keep_input_embeddings_unwrapped(self.accelerator.state.fsdp_plugin, self.model)
 
     def _enable_fsdp_on_cpu(self) -> None:
         plugin_args = self.args.fsdp_plugin_args or {}
@@ -85,6 +99,24 @@ class Trainer(transformers.Trainer):
             s["distributed_type"] = DistributedType.FSDP
         state.fsdp_plugin = plugin
         self.is_fsdp_enabled = True
+
+
+def keep_input_embeddings_unwrapped(plugin: FullyShardedDataParallelPlugin, model: torch.nn.Module) -> None:
+    """Drop from FSDP's per-layer wrap list the classes that hold the input embeddings (BERT's ``BertEmbeddings``).
+
+    accelerate 1.15 (verified) shards every module of the list (by default the model's ``_no_split_modules``), then
+    shards the input embedding module on its own; when a wrapped module already holds it, that second
+    ``fully_shard`` meets a sharded weight and fails ("Invariant encountered: value was None"). Without the holder
+    in the list, the embeddings get their own unit from accelerate and the holder's other parameters go to the root.
+    """
+    policy = plugin.auto_wrap_policy
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if getattr(policy, "func", policy) is not transformer_auto_wrap_policy or embeddings is None:
+        return  # size-based or no wrap, or no embeddings: accelerate's carve-out does not meet a sharded weight
+    path = next(name for name, module in model.named_modules() if module is embeddings).split(".")
+    holders = {type(model.get_submodule(".".join(path[:depth]))).__name__ for depth in range(len(path))}
+    names = plugin.transformer_cls_names_to_wrap or list(getattr(model, "_no_split_modules", None) or [])
+    plugin.transformer_cls_names_to_wrap = [name for name in names if name not in holders]
 
 
 def _version(package: str) -> str:

@@ -176,6 +176,9 @@ class Variant:
     * ``renamed_params`` -- ``{old name: new name}`` for parameters renamed since models were saved: an old name
       is accepted (and logged) wherever parameters are given, so saved configs keep loading.
     * ``supports_dropout`` -- if False, attention dropout > 0 in training raises a clear error.
+    * ``trains_every_parameter`` -- False if the kernel leaves some of the model's attention parameters without a
+      gradient by design (``reformer``'s shared-QK leaves the key projection unused); distributed training then
+      looks for unused parameters each step (DDP's ``find_unused_parameters``), which it skips otherwise.
     * ``error_bound`` -- approximate variants: the max relative error (Frobenius norm of the
       difference over the norm of the reference) at default parameters on the contract suite's inputs.
       The reference is softmax attention restricted to ``pattern``, unless the variant defines an optional
@@ -188,6 +191,7 @@ class Variant:
     supports_causal: ClassVar[bool] = True
     supports_bidirectional: ClassVar[bool] = True
     supports_dropout: ClassVar[bool] = True
+    trains_every_parameter: ClassVar[bool] = True
     time_complexity: ClassVar[str] = "O(n²)"
     memory_complexity: ClassVar[str] = "O(n²)"
     params: ClassVar[dict[str, Param]] = {}
