@@ -45,13 +45,19 @@ class HybridAttention(Variant):
                               {"variant": "linear", "params": {"chunk_size": 16}}]}  # fmt: skip
 
     def check_config(self) -> None:
-        from zoo.registry import get_variant_class
+        from zoo.registry import UnknownVariantError, get_variant_class  # the registry imports the variants
 
         if not self.layers:
             raise VariantParameterError(f"attention-zoo variant 'hybrid': `layers` is empty; give e.g. {EXAMPLE}.")
         entries = [self._entry(item) for item in self.layers]
         self.config["layers"] = entries  # normalised, as saved in config.json
-        self.parts = [get_variant_class(e["variant"])(**e["params"]) for e in entries]
+        self.parts = []
+        for index, entry in enumerate(entries):
+            try:
+                cls = get_variant_class(entry["variant"])
+            except UnknownVariantError as exc:
+                raise VariantParameterError(f"attention-zoo variant 'hybrid', layer entry {index}: {exc}") from exc
+            self.parts.append(cls(**entry["params"]))
         self.exact = all(part.exact for part in self.parts)
         bounds = [part.error_bound for part in self.parts if not part.exact]
         self.error_bound = max(bounds) if bounds else None
