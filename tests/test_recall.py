@@ -120,3 +120,37 @@ def test_report_notes_chance_single_seed_and_spread():
     assert "1 seed" in recall.trust_notes(_entry("one", 0.5, None, 1), best)[0]
     assert recall.accuracy_cell(0.5, None, 1) == "0.500 (1 seed)"
     assert recall.accuracy_cell(0.5, 0.1, 3) == "0.500 ± 0.100"
+
+
+# --- passkey ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def keys():
+    from zoo.data import passkey
+
+    return passkey.build(context_length=256, num_train_examples=20, num_validation_examples=4, num_test_examples=10)
+
+
+def test_passkey_answer_is_the_needle_and_labels_only_there(keys):
+    for row in keys["test"]:
+        ids, labels, distance = row["input_ids"], row["labels"], row["distance"]
+        assert len(ids) == 256
+        answer = [p for p, label in enumerate(labels) if label != recall.IGNORE_INDEX]
+        assert answer == list(range(251, 256))  # the 5 digits at the end, nothing else labelled
+        key = bytes(ids[p] for p in answer).decode()
+        assert key.isdigit() and f"The pass key is {key}. Remember it." in bytes(ids).decode("latin-1")
+        for p in answer:
+            assert ids[p - distance[p]] == ids[p]  # `distance` points at the same digit in the needle
+
+
+def test_passkey_test_depths_cycle_and_text_is_held_out(keys):
+    from zoo.data import passkey
+
+    assert keys["test"]["depth"] == [0.0, 0.25, 0.5, 0.75, 1.0] * 2
+    distances = [row["distance"][-1] for row in keys["test"]][:5]
+    assert distances == sorted(distances, reverse=True)  # deeper needle: nearer the question
+    train_text = b" ".join(passkey.book_bytes(test=False))
+    assert bytes(keys["test"][4]["input_ids"][:40]) not in train_text  # depth 1: filler first, from held-out books
+    again = passkey.build(context_length=256, num_train_examples=20, num_validation_examples=4, num_test_examples=10)
+    assert again["train"]["input_ids"] == keys["train"]["input_ids"]

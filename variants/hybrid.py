@@ -33,8 +33,8 @@ class HybridAttention(Variant):
     supports_causal = True  # checked per layer, against the entry's variant
     supports_bidirectional = True
     supports_dropout = True
-    time_complexity = "that of each layer's variant"
-    memory_complexity = "that of each layer's variant (up to O(n²))"
+    time_complexity = "O(n²) at most: each layer's variant's own"
+    memory_complexity = "O(n²) at most: each layer's variant's own"
     error_bound = 0.75  # the loosest built-in's (performer); refined per instance to the entries' largest
     params = {
         "layers": Param(

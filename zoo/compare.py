@@ -22,6 +22,7 @@ Config keys::
     tasks:
       - name: brown
         config: recipes/configs/brown/minilm_cpu.yaml     # a fine-tune config (zoo/train.py keys)
+        seeds: [0, 1, 2]                          # this task's seeds (default: the top-level ones)
         overrides: {max_steps: 12}
         variants:                                 # this task's own entries, after the shared ones
           - {variant: longformer, variant_params: {window: 256}}
@@ -53,7 +54,7 @@ from zoo.reporting import fixed, markdown_table, pyplot, save_figure, write_csv
 from zoo.train import FinetuneConfig, check_known_keys, load_yaml, package_versions
 
 COMPARE_KEYS = ("output_dir", "launcher", "seeds", "timeout_minutes", "overrides", "variants", "tasks")
-TASK_KEYS = ("name", "config", "overrides", "variants")
+TASK_KEYS = ("name", "config", "overrides", "variants", "seeds")
 METRIC_COLUMNS = ("eval_accuracy", "eval_macro_f1", "eval_loss", "eval_perplexity")
 SPEED_COLUMNS = (
     "train_tokens_per_second", "eval_tokens_per_second", "decode_tokens_per_second", "peak_memory_mb",
@@ -111,7 +112,9 @@ def plan_runs(cfg: dict, output_dir: Path) -> list[Run]:
     for task in cfg["tasks"]:
         unknown = sorted(set(task) - set(TASK_KEYS))
         if unknown or "name" not in task or "config" not in task:
-            raise ValueError(f"task entry {task!r}: needs `name` and `config`; optional keys: overrides, variants.")
+            raise ValueError(
+                f"task entry {task!r}: needs `name` and `config`; optional keys: overrides, variants, seeds."
+            )
         base = load_yaml(task["config"])
         entries = list(cfg.get("variants") or []) + list(task.get("variants") or [])
         labels = [variant_label(e) for e in entries]
@@ -121,7 +124,7 @@ def plan_runs(cfg: dict, output_dir: Path) -> list[Run]:
             overrides = {k: v for k, v in entry.items() if k != "name"}
             merged = {**base, **(cfg.get("overrides") or {}), **(task.get("overrides") or {}), **overrides}
             check_known_keys(merged, FinetuneConfig, f"task {task['name']!r}, variant {variant_label(entry)!r}")
-            for seed in cfg["seeds"]:
+            for seed in task.get("seeds") or cfg["seeds"]:  # a task may set its own seeds
                 run_dir = output_dir / "runs" / task["name"] / variant_label(entry) / f"seed{seed}"
                 config = {**merged, "seed": seed, "output_dir": str(run_dir), "overwrite_output_dir": True}
                 kind = get_task(config.get("task", "")).kind

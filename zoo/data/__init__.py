@@ -12,6 +12,8 @@ are cached under ``$ATTENTION_ZOO_CACHE`` (default ``~/.cache/attention_zoo``), 
 * ``brown_lm`` -- language modelling on Brown documents, split by document (:func:`zoo.data.brown.build_lm`).
 * ``mqar`` -- multi-query associative recall (Zoology), generated locally (:mod:`zoo.data.mqar`); a ``recall`` task:
   ``input_ids``, ``labels`` (answers only) and ``distance`` columns, scored by :mod:`zoo.recall`.
+* ``passkey`` -- a number hidden at a chosen depth of book text, asked for at the end (:mod:`zoo.data.passkey`);
+  a ``recall`` task over byte tokens.
 
 :mod:`zoo.data.lm` trains the byte-level BPE tokenizer of LM tasks and cuts documents into chunks.
 """
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 import datasets
 
-from zoo.data import brown, gutenberg, hub, listops, mqar
+from zoo.data import brown, gutenberg, hub, listops, mqar, passkey
 from zoo.data.cache import cache_dir, cached_dataset, options_key
 from zoo.data.npm import DataUnavailableError
 
@@ -50,6 +52,7 @@ TASKS: dict[str, Task] = {
     "gutenberg_lm": Task(gutenberg.build_lm, gutenberg.SOURCE, kind="lm"),
     "brown_lm": Task(brown.build_lm, brown.SOURCE, kind="lm"),
     "mqar": Task(mqar.build, mqar.SOURCE, tokenizer=mqar.tokenizer, kind="recall"),
+    "passkey": Task(passkey.build, passkey.SOURCE, tokenizer=passkey.tokenizer, kind="recall"),
 }
 
 
