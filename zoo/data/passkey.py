@@ -5,7 +5,8 @@ the end. Generated locally by seed over the offline Gutenberg books (npm ``natur
 A sequence is ``context_length`` byte tokens (one token per byte of latin-1 text, vocabulary 256: no tokenizer to
 train, and a digit is always one token)::
 
-    <filler> The pass key is 48213. Remember it. 48213 is the pass key. <filler> What is the pass key? The pass key is 48213
+    <filler> The pass key is 48213. Remember it. 48213 is the pass key. <filler>
+    What is the pass key? The pass key is 48213
 
 Labels are the key's digits at the end (-100 elsewhere), ``distance`` how far each answer digit stands after the
 same digit in the needle. ``depth`` (0 = the needle opens the text, 1 = it ends it) is drawn uniformly for training;
