@@ -164,22 +164,22 @@ def trust_notes(row: dict, best: dict | None) -> list[str]:
 
 def report_tables(rows: list[dict]) -> list[str]:
     """The recall table (accuracy, state bytes, speed, notes) and accuracy by query-key distance bucket."""
-    from zoo.reporting import fixed, human_bytes, markdown_table
+    from zoo.reporting import fixed, markdown_table
 
     done = [r for r in rows if r["eval_accuracy"] is not None]
     best = max(done, key=lambda r: r["eval_accuracy"], default=None)
-    header = ["variant", "params", "seq len", "accuracy", "decoding state / seq", "train tok/s", "wall s", "status",
-              "notes"]  # fmt: skip
+    header = ["variant", "params", "seq len", "accuracy", "decoding state / seq (bytes)", "train tok/s", "wall s",
+              "status", "notes"]  # fmt: skip
     table = [
-        [r["name"], ", ".join(f"{k}={v}" for k, v in r["variant_params"].items()) or "–", r["max_length"],
+        [r["name"], params_text(r["variant_params"]), r["max_length"],
          accuracy_cell(r["eval_accuracy"], r["eval_accuracy_std"], r["seeds_ok"]),
-         human_bytes(r["decoding_state_bytes"]) if r.get("decoding_state_bytes") else "–",
+         fixed(r.get("decoding_state_bytes"), 0, grouping=True),
          fixed(r["train_tokens_per_second"], 0, grouping=True), fixed(r["wall_time_seconds"], 0), r["status"],
          "; ".join(trust_notes(r, best)) or "–"]
         for r in rows
     ]  # fmt: skip
     lines = markdown_table(header, table, align="llrrrrrll")
-    buckets = max((r.get("accuracy_by_distance") or [] for r in rows), key=len)
+    buckets = [b for b in max((r.get("accuracy_by_distance") or [] for r in rows), key=len) if b["answers"]]
     if buckets:
         lines += ["", "Accuracy by query-key distance (tokens from the key to its query; answers per bucket in the "
                   "header, mean ± std over seeds):", ""]  # fmt: skip
@@ -192,6 +192,17 @@ def report_tables(rows: list[dict]) -> list[str]:
         header = ["variant", *(f"{b['bucket']} (n={b['answers']})" for b in buckets)]
         lines += markdown_table(header, table, align="l" + "r" * len(buckets))
     return lines
+
+
+def params_text(params: dict) -> str:
+    """``window=16``; a hybrid's layers as ``longformer(window=16), linear``."""
+    if "layers" in params:
+        return ", ".join(
+            entry["variant"] + (f"({params_text(entry['params'])})" if entry.get("params") else "")
+            if isinstance(entry, dict) else str(entry)
+            for entry in params["layers"]
+        )  # fmt: skip
+    return ", ".join(f"{k}={v}" for k, v in params.items()) or "–"
 
 
 def plot_frontier(plt, task: str, rows: list[dict], path: Path) -> None:
