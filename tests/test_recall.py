@@ -157,11 +157,22 @@ def test_passkey_test_depths_cycle_and_text_is_held_out(keys):
 
 
 def test_report_table_names_hybrid_layers_and_drops_empty_buckets():
-    buckets = [{"bucket": "[1,2)", "start": 1, "end": 2, "answers": 0, "accuracy": None, "std": None, "seeds": 0},
-               {"bucket": "[2,4)", "start": 2, "end": 4, "answers": 9, "accuracy": 0.5, "std": 0.1, "seeds": 3}]
-    row = {**_entry("mix", 0.5, 0.1, 3), "variant_params": {"layers": [{"variant": "longformer", "params": {
-        "window": 16}}, {"variant": "linear", "params": {}}]}, "max_length": 64, "decoding_state_bytes": 12544.0,
-        "train_tokens_per_second": 1000.0, "wall_time_seconds": 30.0, "status": "ok", "accuracy_by_distance": buckets}
+    buckets = [
+        {"bucket": "[1,2)", "start": 1, "end": 2, "answers": 0, "accuracy": None, "std": None, "seeds": 0},
+        {"bucket": "[2,4)", "start": 2, "end": 4, "answers": 9, "accuracy": 0.5, "std": 0.1, "seeds": 3},
+    ]
+    row = {
+        **_entry("mix", 0.5, 0.1, 3),
+        "variant_params": {
+            "layers": [{"variant": "longformer", "params": {"window": 16}}, {"variant": "linear", "params": {}}]
+        },
+        "max_length": 64,
+        "decoding_state_bytes": 12544.0,
+        "train_tokens_per_second": 1000.0,
+        "wall_time_seconds": 30.0,
+        "status": "ok",
+        "accuracy_by_distance": buckets,
+    }
     text = "\n".join(recall.report_tables([row]))
     assert "| mix | longformer(window=16), linear | 64 | 0.500 ± 0.100 | 12,544 |" in text
     assert "[2,4) (n=9)" in text and "[1,2)" not in text
