@@ -59,7 +59,8 @@ def test_same_seed_same_data_other_seed_other_data(small):
 
 
 def test_gaps_follow_the_power_law():
-    data = mqar.build(vocab_size=512, seq_len=256, num_kv_pairs=4, num_train_examples=400, seed=0)
+    data = mqar.build(vocab_size=512, seq_len=256, num_kv_pairs=4, num_train_examples=400, num_validation_examples=1,
+                      num_test_examples=1, seed=0)  # fmt: skip
     distance = np.asarray(data["train"]["distance"])
     distance = distance[distance != recall.NO_DISTANCE]
     assert np.median(distance) < 64 and distance.max() > 128  # mostly near, a few far (a = 0.01)
