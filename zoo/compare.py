@@ -23,6 +23,7 @@ Config keys::
     tasks:
       - name: brown
         config: recipes/configs/brown/minilm_cpu.yaml     # a fine-tune config (zoo/train.py keys)
+        seeds: [0, 1, 2]                          # this task's seeds (default: the top-level ones)
         overrides: {max_steps: 12}
         variants:                                 # this task's own entries, after the shared ones
           - {variant: longformer, variant_params: {window: 256}}
@@ -48,13 +49,14 @@ from typing import Any
 import yaml
 from tqdm.auto import tqdm
 
+from zoo import recall
 from zoo.data import get_task
 from zoo.recipe_config import FinetuneConfig, check_known_keys, load_yaml
 from zoo.reporting import fixed, markdown_table, pyplot, save_figure, write_csv
 from zoo.results import package_versions
 
 COMPARE_KEYS = ("output_dir", "launcher", "seeds", "timeout_minutes", "overrides", "variants", "tasks")
-TASK_KEYS = ("name", "config", "overrides", "variants")
+TASK_KEYS = ("name", "config", "overrides", "variants", "seeds")
 METRIC_COLUMNS = ("eval_accuracy", "eval_macro_f1", "eval_loss", "eval_perplexity")
 SPEED_COLUMNS = (
     "train_tokens_per_second", "eval_tokens_per_second", "decode_tokens_per_second", "peak_memory_mb",
@@ -62,7 +64,9 @@ SPEED_COLUMNS = (
 )  # fmt: skip
 # The headline metric of a task kind: results.json key and its label (accuracy: higher is better; perplexity: lower).
 FAILED = ("failed", "timeout")  # statuses that make the command exit non-zero (after writing the report)
-HEADLINE = {"classification": ("eval_accuracy", "accuracy"), "lm": ("eval_perplexity", "perplexity")}
+HEADLINE = {"classification": ("eval_accuracy", "accuracy"), "lm": ("eval_perplexity", "perplexity"),
+            "recall": ("eval_accuracy", "accuracy")}
+RECALL_COLUMNS = ("decoding_state_bytes", "majority_accuracy", "answers", "accuracy_by_distance")  # recall tasks
 
 
 @dataclass
@@ -111,7 +115,9 @@ def plan_runs(cfg: dict, output_dir: Path) -> list[Run]:
     for task in cfg["tasks"]:
         unknown = sorted(set(task) - set(TASK_KEYS))
         if unknown or "name" not in task or "config" not in task:
-            raise ValueError(f"task entry {task!r}: needs `name` and `config`; optional keys: overrides, variants.")
+            raise ValueError(
+                f"task entry {task!r}: needs `name` and `config`; optional keys: overrides, variants, seeds."
+            )
         base = load_yaml(task["config"])
         entries = list(cfg.get("variants") or []) + list(task.get("variants") or [])
         labels = [variant_label(e) for e in entries]
@@ -121,7 +127,7 @@ def plan_runs(cfg: dict, output_dir: Path) -> list[Run]:
             overrides = {k: v for k, v in entry.items() if k != "name"}
             merged = {**base, **(cfg.get("overrides") or {}), **(task.get("overrides") or {}), **overrides}
             check_known_keys(merged, FinetuneConfig, f"task {task['name']!r}, variant {variant_label(entry)!r}")
-            for seed in cfg["seeds"]:
+            for seed in task.get("seeds") or cfg["seeds"]:  # a task may set its own seeds
                 run_dir = output_dir / "runs" / task["name"] / variant_label(entry) / f"seed{seed}"
                 config = {**merged, "seed": seed, "output_dir": str(run_dir), "overwrite_output_dir": True}
                 kind = get_task(config.get("task", "")).kind
@@ -244,6 +250,8 @@ def row_for(run: Run, outcome: Outcome) -> dict[str, Any]:
     row.update({key: results.get("metrics", {}).get(key) for key in METRIC_COLUMNS})
     row.update({key: results.get(key) for key in SPEED_COLUMNS})
     row["loss_by_position"] = results.get("loss_by_position")
+    if run.kind == "recall":
+        row.update({key: results.get(key) for key in RECALL_COLUMNS})
     row.update({"num_processes": results.get("num_processes"), "run_dir": str(run.run_dir)})
     return row
 
@@ -269,6 +277,8 @@ def summarize(rows: list[dict]) -> list[dict]:
             if key in METRIC_COLUMNS:
                 entry[f"{key}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0 if values else None
         entry["loss_by_position"] = mean_loss_by_position([r["loss_by_position"] for r in done])
+        if first["kind"] == "recall":
+            entry.update(recall.summary_fields(done))
         summary.append(entry)
     return summary
 
@@ -298,7 +308,7 @@ def markdown_report(cfg: dict, summary: list[dict], config_path: str, minutes: f
     for task in dict.fromkeys(r["task"] for r in summary):
         rows = [r for r in summary if r["task"] == task]
         lines += ["", f"## {task}", ""]
-        lines += lm_tables(rows) if rows[0]["kind"] == "lm" else classification_table(rows)
+        lines += TABLES[rows[0]["kind"]](rows)
         notes = [r for r in rows if r["error"]]
         if notes:
             lines += ["", "Failures and notes:", ""]
@@ -307,11 +317,15 @@ def markdown_report(cfg: dict, summary: list[dict], config_path: str, minutes: f
         lines += ["", f"![LRA-style chart]({plot_name('lra', task)})", f"![{label}]({plot_name(label, task)})"]
         if rows[0]["kind"] == "lm":
             lines.append(f"![loss by position]({plot_name('loss_by_position', task)})")
+        if rows[0]["kind"] == "recall":
+            lines.append(f"![recall vs decoding state]({plot_name('frontier', task)})")
+            lines.append(f"![accuracy by distance]({plot_name('accuracy_by_distance', task)})")
     return "\n".join(lines) + "\n"
 
 
 def _mean_std(row: dict, key: str) -> str:
-    return "–" if row[key] is None else f"{row[key]:.3f} ± {row[f'{key}_std']:.3f}"
+    """``mean ± std`` over several seeds; with one seed no ± (there is no spread to show)."""
+    return recall.accuracy_cell(row[key], row[f"{key}_std"], row.get("seeds_ok", 1))
 
 
 def _params(row: dict) -> str:
@@ -353,6 +367,9 @@ def lm_tables(rows: list[dict]) -> list[str]:
     return lines
 
 
+TABLES = {"classification": classification_table, "lm": lm_tables, "recall": recall.report_tables}
+
+
 def plot_name(kind: str, task: str) -> str:
     return f"{kind}_{task}.png"
 
@@ -390,6 +407,9 @@ def write_plots(summary: list[dict], out: Path) -> None:
         save_figure(fig, out / plot_name(label, task))
         if rows[0]["kind"] == "lm":
             plot_loss_by_position(plt, task, rows, out)
+        if rows[0]["kind"] == "recall":
+            recall.plot_frontier(plt, task, rows, out / plot_name("frontier", task))
+            recall.plot_by_distance(plt, task, rows, out / plot_name("accuracy_by_distance", task))
 
 
 def plot_loss_by_position(plt, task: str, rows: list[dict], out: Path) -> None:
@@ -415,7 +435,11 @@ def plot_loss_by_position(plt, task: str, rows: list[dict], out: Path) -> None:
 def csv_row(row: dict) -> dict:
     """Nested values as JSON text: variant_params, loss_by_position ({bucket: loss})."""
     by_position = {b["bucket"]: b["loss"] for b in row["loss_by_position"] or []}
-    return {**row, "variant_params": json.dumps(row["variant_params"]), "loss_by_position": json.dumps(by_position)}
+    nested = {"variant_params": json.dumps(row["variant_params"]), "loss_by_position": json.dumps(by_position)}
+    if "accuracy_by_distance" in row:
+        by_distance = {b["bucket"]: b["accuracy"] for b in row["accuracy_by_distance"] or []}
+        nested["accuracy_by_distance"] = json.dumps(by_distance)
+    return {**row, **nested}
 
 
 def write_report(cfg: dict, rows: list[dict], out: Path, config_path: str, minutes: float) -> list[dict]:
@@ -423,7 +447,7 @@ def write_report(cfg: dict, rows: list[dict], out: Path, config_path: str, minut
     (out / "results.json").write_text(
         json.dumps({"config": cfg, "packages": package_versions(), "runs": rows, "summary": summary}, indent=2) + "\n"
     )
-    write_csv(out / "results.csv", [csv_row(r) for r in rows], list(rows[0]))
+    write_csv(out / "results.csv", [csv_row(r) for r in rows], list(dict.fromkeys(k for r in rows for k in r)))
     write_plots(summary, out)
     (out / "results.md").write_text(markdown_report(cfg, summary, config_path, minutes))
     return summary

@@ -41,7 +41,9 @@ class FinetuneConfig:
     """Every setting of one fine-tuning run (the keys of the recipe YAML)."""
 
     # --- task
-    task: str = field(metadata={"help": "listops | brown | brown2 | gutenberg | hub | gutenberg_lm | brown_lm"})
+    task: str = field(
+        metadata={"help": "listops | brown | brown2 | gutenberg | hub | gutenberg_lm | brown_lm | mqar | passkey"}
+    )
     output_dir: str = field(metadata={"help": "where the model, results.json and logs go"})
     task_options: dict | str | None = field(default=None, metadata={"help": "options of the task builder"})
     eval_split: str = field(default="test", metadata={"help": "split of the final evaluation (results.json)"})
@@ -269,6 +271,10 @@ def is_lm(cfg: FinetuneConfig) -> bool:
     return tasks.get_task(cfg.task).kind == "lm"
 
 
+def is_recall(cfg: FinetuneConfig) -> bool:
+    return tasks.get_task(cfg.task).kind == "recall"
+
+
 def check_config(cfg: FinetuneConfig) -> None:
     distributed.check_launch(distributed.accelerator_available())
     tasks.get_task(cfg.task)
@@ -281,7 +287,7 @@ def check_config(cfg: FinetuneConfig) -> None:
     if cfg.resume_weights_only and not cfg.resume_from_checkpoint:
         raise ValueError("resume_weights_only is true but resume_from_checkpoint is not set; name the checkpoint.")
     variant = zoo.get_variant_class(cfg.variant)(**cfg.variant_params)  # unknown variant or bad parameter: now
-    if is_lm(cfg):
+    if is_lm(cfg) or is_recall(cfg):
         check_lm_config(cfg, variant)
     if cfg.push_to_hub and not cfg.hub_model_id:
         raise ValueError("push_to_hub is true but hub_model_id is not set; give the repository id, e.g. 'me/model'.")

@@ -36,6 +36,7 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
     DataCollatorForLanguageModeling,
+    DataCollatorForSeq2Seq,
     DataCollatorWithPadding,
     Trainer,
     TrainingArguments,
@@ -43,7 +44,7 @@ from transformers import (
 
 import zoo
 from zoo import data as tasks
-from zoo import distributed, lm
+from zoo import distributed, lm, recall
 from zoo.data.lm import bpe_tokenizer, chunk_documents
 from zoo.longify import check_max_length, longify, position_capacity
 from zoo.recipe_config import (  # noqa: F401  (importable from zoo.train, as before the split)
@@ -51,6 +52,7 @@ from zoo.recipe_config import (  # noqa: F401  (importable from zoo.train, as be
     check_config,
     check_known_keys,
     is_lm,
+    is_recall,
     load_yaml,
     parse_config,
     resolve_pretrained,
@@ -86,6 +88,8 @@ def load_splits(cfg: FinetuneConfig) -> tuple[Any, list[str] | None]:
             raise ValueError(f"task {cfg.task!r} has no split {split!r}; its splits: {', '.join(dataset)}.")
     if is_lm(cfg):
         return dataset, None  # the subsets are taken from the chunks (prepare_examples)
+    if is_recall(cfg):
+        return take_subsets(cfg, dataset), None  # token ids and answer labels already (zoo.recall)
     return take_subsets(cfg, dataset), dataset["train"].features["label"].names
 
 
@@ -107,7 +111,7 @@ def load_tokenizer(cfg: FinetuneConfig, model_path: str | None, dataset):
     elif is_lm(cfg):
         tokenizer = bpe_tokenizer(dataset["train"]["text"], cfg.tokenizer_vocab_size)
     elif tasks.get_task(cfg.task).tokenizer is not None:
-        tokenizer = tasks.get_task(cfg.task).tokenizer()
+        tokenizer = tasks.task_tokenizer(cfg.task, cfg.task_options)
     else:
         raise ValueError(
             f"task {cfg.task!r} has no vocabulary of its own: set tokenizer_name_or_path (e.g. 'minilm') to train "
@@ -121,6 +125,8 @@ def prepare_examples(cfg: FinetuneConfig, dataset, tokenizer):
     """Token ids per example: LM tasks cut documents into chunks (then take the subsets); others truncate."""
     if is_lm(cfg):
         return take_subsets(cfg, chunk_documents(dataset, tokenizer, cfg.max_length, cfg.min_chunk_length))
+    if is_recall(cfg):
+        return dataset
     return tokenize(dataset, tokenizer, cfg.max_length)
 
 
@@ -254,7 +260,11 @@ def train(cfg: FinetuneConfig, plan: ResumePlan, started: float) -> dict | None:
         examples = prepare_examples(cfg, dataset, tokenizer)
     model = build_model(cfg, plan.weights or model_path, tokenizer, label_names)  # weights only: the checkpoint's
     language_model = label_names is None
-    if language_model:
+    preprocess = lm.per_token_loss if language_model else None
+    if is_recall(cfg):
+        computer, collator = recall.RecallAccuracy(examples[cfg.eval_split]), DataCollatorForSeq2Seq(tokenizer)
+        preprocess = recall.predicted_tokens
+    elif language_model:
         computer, collator = lm.PositionLoss(cfg.max_length), DataCollatorForLanguageModeling(tokenizer, mlm=False)
     else:
         computer, collator = MetricComputer(), DataCollatorWithPadding(tokenizer)
@@ -267,7 +277,7 @@ def train(cfg: FinetuneConfig, plan: ResumePlan, started: float) -> dict | None:
         data_collator=collator,
         processing_class=tokenizer,
         compute_metrics=computer,
-        preprocess_logits_for_metrics=lm.per_token_loss if language_model else None,
+        preprocess_logits_for_metrics=preprocess,
         callbacks=[JsonlLog(), throughput, parameter_count],
     )
     trainer.train(resume_from_checkpoint=plan.checkpoint)
@@ -286,7 +296,9 @@ def train(cfg: FinetuneConfig, plan: ResumePlan, started: float) -> dict | None:
     results = None
     if trainer.is_world_process_zero():
         out = Path(cfg.output_dir)
-        if language_model:
+        if is_recall(cfg):
+            outcome = recall.outcome(out, computer, metrics, examples[cfg.eval_split])
+        elif language_model:
             outcome = lm_outcome(cfg, out, computer, metrics, examples)
         else:
             outcome = classification_outcome(out, computer, metrics, label_names)
@@ -318,7 +330,9 @@ def main(argv: list[str] | None = None) -> None:
     results = run(parse_config(argv))
     if results is not None:
         m = results["metrics"]
-        if "eval_perplexity" in m:
+        if "eval_perplexity" not in m and "eval_macro_f1" not in m:
+            quality = f"accuracy {m['eval_accuracy']:.4f} (answer tokens)"
+        elif "eval_perplexity" in m:
             decode = results["decode_tokens_per_second"] or 0
             quality = f"perplexity {m['eval_perplexity']:.2f}  decode {decode:.0f} tok/s"
         else:

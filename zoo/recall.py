@@ -1,0 +1,245 @@
+"""Recall tasks (MQAR, passkey): accuracy per answer token, accuracy by query-key distance, decoding state bytes,
+and their part of a comparison report (tables that say when they cannot be trusted, the recall-memory frontier).
+
+A recall task's examples hold ``input_ids``, ``labels`` (-100 except at the answer tokens) and ``distance`` (how
+far before the query its key stands, -1 off the answers). Distance buckets: [1,2), [2,4), [4,8), ... up to the
+sequence length: a causal window of reach r answers the buckets below r and fails above (the step at the window).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+NO_DISTANCE = -1
+CHANCE_SIGMAS = 3  # an accuracy within this many binomial standard errors of the majority answer's share: at chance
+
+
+# ---------------------------------------------------------------------------------------------------
+# training and evaluation (zoo.train)
+
+
+def distance_buckets(max_distance: int) -> list[tuple[int, int]]:
+    """``[(1, 2), (2, 4), (4, 8), ...]`` covering distances 1 .. max_distance."""
+    buckets, start = [], 1
+    while start <= max_distance:
+        buckets.append((start, 2 * start))
+        start *= 2
+    return buckets
+
+
+def predicted_tokens(logits, labels: torch.Tensor) -> torch.Tensor:
+    """``preprocess_logits_for_metrics``: the greedy token predicted for each position (the logits at p - 1), -100
+    at position 0. Keeps only (batch, n) ids, never the vocabulary-sized logits."""
+    logits = logits[0] if isinstance(logits, tuple) else logits
+    return torch.nn.functional.pad(logits[:, :-1].argmax(-1), (1, 0), value=IGNORE_INDEX)
+
+
+class RecallAccuracy:
+    """compute_metrics for Trainer: accuracy over the answer tokens, the majority answer's share (the accuracy of
+    always giving the most frequent answer) and accuracy per distance bucket (kept in ``by_distance``).
+
+    The distances come from the evaluation examples themselves; Trainer gathers predictions in dataset order,
+    which is checked against the examples' labels (a mismatch is an error, never a misattributed bucket).
+    """
+
+    def __init__(self, eval_examples) -> None:
+        self.labels = np.asarray(eval_examples["labels"])
+        self.distance = np.asarray(eval_examples["distance"])
+        self.buckets = distance_buckets(int(self.distance.max()))
+        self.by_distance: list[dict] = []
+
+    def __call__(self, eval_pred) -> dict[str, float]:
+        predictions, labels = np.asarray(eval_pred.predictions), np.asarray(eval_pred.label_ids)
+        if labels.shape != self.labels.shape or not np.array_equal(labels, self.labels):
+            raise RuntimeError(
+                "recall metrics: the gathered labels are not the evaluation examples in order, so distances cannot "
+                f"be matched to answers (got shape {labels.shape}, expected {self.labels.shape})."
+            )
+        answer = labels != IGNORE_INDEX
+        correct = (predictions == labels) & answer
+        _, counts = np.unique(labels[answer], return_counts=True)
+        self.by_distance = []
+        for start, end in self.buckets:
+            in_bucket = answer & (self.distance >= start) & (self.distance < end)
+            count = int(in_bucket.sum())
+            self.by_distance.append({"bucket": f"[{start},{end})", "start": start, "end": end, "answers": count,
+                                     "accuracy": float(correct[in_bucket].mean()) if count else None})  # fmt: skip
+        return {
+            "accuracy": float(correct.sum() / answer.sum()),
+            "majority_accuracy": float(counts.max() / answer.sum()),
+            "answers": int(answer.sum()),
+        }
+
+
+def decoding_state_bytes(model, input_ids: list[int]) -> int:
+    """Bytes the decoding cache holds for one sequence after ``generate`` read ``input_ids`` (batch 1)."""
+    import zoo
+
+    model.eval()
+    prompt = torch.tensor([input_ids], device=model.device)
+    with torch.inference_mode():
+        output = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=1, do_sample=False,
+                                pad_token_id=model.config.pad_token_id, return_dict_in_generate=True)  # fmt: skip
+    return zoo.cache_nbytes(output.past_key_values)
+
+
+def outcome(out: Path, computer: RecallAccuracy, metrics: dict, eval_examples) -> dict:
+    """results.json's part for a recall task; the state bytes come from the saved folder, loaded back."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    return {
+        "metrics": {key: float(metrics[key]) for key in ("eval_accuracy", "eval_loss")},
+        "majority_accuracy": float(metrics["eval_majority_accuracy"]),
+        "answers": int(metrics["eval_answers"]),
+        "accuracy_by_distance": computer.by_distance,
+        "decoding_state_bytes": decoding_state_bytes(model, eval_examples[0]["input_ids"]),
+        "decoding_state_length": len(eval_examples[0]["input_ids"]),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# comparison report (zoo.compare)
+
+
+def summary_fields(done: list[dict]) -> dict:
+    """Recall fields of one comparison entry from its finished seeds' rows: means, and stds by bucket."""
+    fields = {"decoding_state_bytes": _mean([r.get("decoding_state_bytes") for r in done]),
+              "majority_accuracy": _mean([r.get("majority_accuracy") for r in done]),
+              "answers": _mean([r.get("answers") for r in done])}  # fmt: skip
+    runs = [r["accuracy_by_distance"] for r in done if r.get("accuracy_by_distance")]
+    fields["accuracy_by_distance"] = None
+    if runs:
+        merged = []
+        for buckets in zip(*runs, strict=True):
+            values = [b["accuracy"] for b in buckets if b["accuracy"] is not None]
+            merged.append({**buckets[0], "accuracy": _mean(values), "std": _std(values), "seeds": len(values)})
+        fields["accuracy_by_distance"] = merged
+    return fields
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def _std(values: list) -> float | None:
+    return statistics.stdev(values) if len(values) > 1 else None
+
+
+def at_chance(row: dict) -> bool:
+    """Mean accuracy within CHANCE_SIGMAS binomial standard errors of always giving the most frequent answer."""
+    accuracy, majority, answers = row.get("eval_accuracy"), row.get("majority_accuracy"), row.get("answers")
+    if accuracy is None or majority is None or not answers:
+        return False
+    return accuracy <= majority + CHANCE_SIGMAS * math.sqrt(majority * (1 - majority) / answers)
+
+
+def accuracy_cell(mean: float | None, std: float | None, seeds: int) -> str:
+    """``0.953 ± 0.012`` over several seeds; ``0.953 (1 seed)`` with one: no spread is claimed."""
+    if mean is None:
+        return "–"
+    return f"{mean:.3f} ± {std:.3f}" if seeds > 1 and std is not None else f"{mean:.3f} (1 seed)"
+
+
+def trust_notes(row: dict, best: dict | None) -> list[str]:
+    """What a reader must know before comparing this entry: at chance, one seed, inside the best's spread."""
+    notes = []
+    if at_chance(row):
+        notes.append(f"at chance (majority answer {row['majority_accuracy']:.3f})")
+    if row["seeds_ok"] < 2:
+        notes.append("1 seed: no spread, differences untested")
+    elif best is not None and best is not row and best["seeds_ok"] > 1:
+        gap = best["eval_accuracy"] - row["eval_accuracy"]
+        if gap <= (best["eval_accuracy_std"] or 0) + (row["eval_accuracy_std"] or 0):
+            notes.append(f"inside the seeds' spread of the best ({best['name']})")
+    return notes
+
+
+def report_tables(rows: list[dict]) -> list[str]:
+    """The recall table (accuracy, state bytes, speed, notes) and accuracy by query-key distance bucket."""
+    from zoo.reporting import fixed, markdown_table
+
+    done = [r for r in rows if r["eval_accuracy"] is not None]
+    best = max(done, key=lambda r: r["eval_accuracy"], default=None)
+    header = ["variant", "params", "seq len", "accuracy", "decoding state / seq (bytes)", "train tok/s", "wall s",
+              "status", "notes"]  # fmt: skip
+    table = [
+        [r["name"], params_text(r["variant_params"]), r["max_length"],
+         accuracy_cell(r["eval_accuracy"], r["eval_accuracy_std"], r["seeds_ok"]),
+         fixed(r.get("decoding_state_bytes"), 0, grouping=True),
+         fixed(r["train_tokens_per_second"], 0, grouping=True), fixed(r["wall_time_seconds"], 0), r["status"],
+         "; ".join(trust_notes(r, best)) or "–"]
+        for r in rows
+    ]  # fmt: skip
+    lines = markdown_table(header, table, align="llrrrrrll")
+    buckets = [b for b in max((r.get("accuracy_by_distance") or [] for r in rows), key=len) if b["answers"]]
+    if buckets:
+        lines += ["", "Accuracy by query-key distance (tokens from the key to its query; answers per bucket in the "
+                  "header, mean ± std over seeds):", ""]  # fmt: skip
+        table = []
+        for r in rows:
+            cells = {b["bucket"]: b for b in r.get("accuracy_by_distance") or []}
+            table.append([r["name"], *(accuracy_cell(cells[b["bucket"]]["accuracy"], cells[b["bucket"]]["std"],
+                                                     cells[b["bucket"]]["seeds"]) if b["bucket"] in cells else "–"
+                                       for b in buckets)])  # fmt: skip
+        header = ["variant", *(f"{b['bucket']} (n={b['answers']})" for b in buckets)]
+        lines += markdown_table(header, table, align="l" + "r" * len(buckets))
+    return lines
+
+
+def params_text(params: dict) -> str:
+    """``window=16``; a hybrid's layers as ``longformer(window=16), linear``."""
+    if "layers" in params:
+        return ", ".join(
+            entry["variant"] + (f"({params_text(entry['params'])})" if entry.get("params") else "")
+            if isinstance(entry, dict) else str(entry)
+            for entry in params["layers"]
+        )  # fmt: skip
+    return ", ".join(f"{k}={v}" for k, v in params.items()) or "–"
+
+
+def plot_frontier(plt, task: str, rows: list[dict], path: Path) -> None:
+    """Accuracy against decoding state bytes per sequence (log x), one point per entry, error bars over seeds."""
+    from zoo.reporting import save_figure
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for r in rows:
+        if r["eval_accuracy"] is None or not r.get("decoding_state_bytes"):
+            continue
+        ax.errorbar(r["decoding_state_bytes"], r["eval_accuracy"], yerr=r["eval_accuracy_std"] or None, fmt="o",
+                    capsize=3)  # fmt: skip
+        ax.annotate(r["name"], (r["decoding_state_bytes"], r["eval_accuracy"]), textcoords="offset points",
+                    xytext=(4, 4), fontsize=8)  # fmt: skip
+    ax.set_xscale("log")
+    ax.set(xlabel="decoding state per sequence at the task length (bytes, log)", ylabel="accuracy",
+           title=f"{task}: recall vs decoding state (the frontier)", ylim=(-0.02, 1.02))  # fmt: skip
+    save_figure(fig, path)
+
+
+def plot_by_distance(plt, task: str, rows: list[dict], path: Path) -> None:
+    """Accuracy per query-key distance bucket, one line per entry (x: bucket, log-spaced)."""
+    from zoo.reporting import save_figure
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ticks = {}
+    for r in rows:
+        buckets = [b for b in r.get("accuracy_by_distance") or [] if b["accuracy"] is not None]
+        if buckets:
+            middle = [(b["start"] * (b["end"] - 1)) ** 0.5 for b in buckets]
+            ticks.update(zip(middle, (b["bucket"] for b in buckets), strict=True))
+            ax.plot(middle, [b["accuracy"] for b in buckets], marker="o", label=r["name"])
+    ax.set_xscale("log")
+    ax.set_xticks(list(ticks), list(ticks.values()))
+    ax.minorticks_off()
+    ax.set(xlabel="query-key distance (tokens)", ylabel="accuracy", title=f"{task}: accuracy by query-key distance",
+           ylim=(-0.02, 1.02))  # fmt: skip
+    if ax.lines:
+        ax.legend(fontsize=8)
+    save_figure(fig, path)
