@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from zoo.ops import allowed_mask, softmax_attention
-from zoo.variant import AttentionCall, IndexPredicate, Param, Variant, VariantParameterError
+from zoo.pattern import Pattern
+from zoo.variant import AttentionCall, Param, Variant, VariantParameterError
 
 EXAMPLE = "[{'variant': 'linear'}, {'variant': 'longformer', 'params': {'window': 64}}]"
 
@@ -89,24 +89,21 @@ class HybridAttention(Variant):
             raise ValueError(f"attention-zoo variant {part.name!r} ({where}) does not support causal attention.")
         if not call.causal and not part.supports_bidirectional:
             raise ValueError(f"attention-zoo variant {part.name!r} ({where}) supports causal attention only.")
-        if call.dropout > 0 and call.training and not part.supports_dropout:
+        if call.effective_dropout > 0 and not part.supports_dropout:
             raise ValueError(
                 f"attention-zoo variant {part.name!r} ({where}) does not support attention dropout (got "
                 f"p={call.dropout}). Set the model's attention dropout to 0, or use another variant in that layer."
             )
         return part.attend(q, k, v, call)
 
-    def pattern(self, call: AttentionCall, q_len: int, kv_len: int) -> IndexPredicate | None:
+    def pattern(self, call: AttentionCall, q_len: int, kv_len: int) -> Pattern | None:
         return self.part(call.layer_idx).pattern(call, q_len, kv_len)
 
     def reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
-        """The layer's variant's own reference, else softmax restricted to its pattern (tests only, O(n²))."""
-        part = self.part(call.layer_idx)
-        if hasattr(part, "reference"):
-            return part.reference(q, k, v, call)
-        pattern = part.pattern(call, q.shape[-2], k.shape[-2])
-        allowed = allowed_mask(call, pattern, q.shape[0], q.shape[1], q.shape[-2], k.shape[-2], q.device)
-        return softmax_attention(q, k, v, allowed, call.scaling)
+        """The layer's variant's reference (:func:`zoo.testing.reference`; tests only, O(n²))."""
+        from zoo.testing import reference  # zoo.testing imports the registry, which imports the variants
+
+        return reference(self.part(call.layer_idx), q, k, v, call)
 
     def cache_layer(self, layer_idx: int, config: Any):
         return self.part(layer_idx).cache_layer(layer_idx, config)
