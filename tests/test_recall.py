@@ -177,3 +177,22 @@ def test_report_table_names_hybrid_layers_and_drops_empty_buckets():
     text = "\n".join(recall.report_tables([row]))
     assert "| mix | longformer(window=16), linear | 64 | 0.500 ± 0.100 | 12,544 |" in text
     assert "[2,4) (n=9)" in text and "[1,2)" not in text
+
+
+def test_bubble_chart_names_entries_in_a_legend_and_maps_areas_to_megabytes():
+    from zoo.compare import bubble_chart
+    from zoo.reporting import pyplot
+
+    rows = [
+        {"name": name, "eval_accuracy": acc, "peak_memory_mb": mb, "train_tokens_per_second": speed}
+        for name, acc, mb, speed in [
+            ("sdpa", 0.35, 900, 1000), ("longformer", 0.352, 950, 1010), ("linear", 0.2, 500, 2000)
+        ]
+    ]
+    fig, ax = pyplot().subplots()
+    bubble_chart(ax, rows, "eval_accuracy")
+    legends = [a for a in ax.get_children() if type(a).__name__ == "Legend"]
+    texts = [[t.get_text() for t in legend.get_texts()] for legend in legends]
+    assert ["sdpa", "longformer", "linear"] in texts  # overlapping bubbles stay identifiable
+    assert any(all(t.endswith(" MB") for t in group) and len(group) >= 2 for group in texts)  # a size legend
+    pyplot().close(fig)

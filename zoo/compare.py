@@ -380,16 +380,10 @@ def write_plots(summary: list[dict], out: Path) -> None:
         rows = [r for r in summary if r["task"] == task]
         metric, label = HEADLINE[rows[0]["kind"]]
         done = [r for r in rows if r[metric] is not None]
-        fig, ax = plt.subplots(figsize=(7, 5))
+        fig, ax = plt.subplots(figsize=(8, 5))
         if done:
-            memory = [r["peak_memory_mb"] or 1.0 for r in done]
-            sizes = [2000 * m / max(memory) for m in memory]
-            speed = [r["train_tokens_per_second"] for r in done]
-            values = [r[metric] for r in done]
-            ax.scatter(speed, values, s=sizes, alpha=0.45)
-            for r, x, y in zip(done, speed, values, strict=True):
-                ax.annotate(r["name"], (x, y), ha="center", fontsize=9)
-        title = f"{task}: {label} vs speed (area: peak memory)"
+            bubble_chart(ax, done, metric)
+        title = f"{task}: {label} vs speed (area: peak memory per process)"
         ax.set(xlabel="training tokens / second", ylabel=label, title=title)
         save_figure(fig, out / plot_name("lra", task))
 
@@ -410,6 +404,24 @@ def write_plots(summary: list[dict], out: Path) -> None:
         if rows[0]["kind"] == "recall":
             recall.plot_frontier(plt, task, rows, out / plot_name("frontier", task))
             recall.plot_by_distance(plt, task, rows, out / plot_name("accuracy_by_distance", task))
+
+
+def bubble_chart(ax, rows: list[dict], metric: str) -> None:
+    """The LRA paper's chart: quality against speed, bubble area = peak memory. Entries are told apart by colour in
+    a legend (names written at the bubbles overlap when entries score alike), a second legend maps areas to MB, and
+    the axes leave room for the largest bubble."""
+    memory = [r["peak_memory_mb"] or 1.0 for r in rows]
+    scale = 1500 / max(memory)
+    for index, (r, mb) in enumerate(zip(rows, memory, strict=True)):
+        ax.scatter(r["train_tokens_per_second"], r[metric], s=mb * scale, alpha=0.5, color=f"C{index % 10}",
+                   edgecolors="black", linewidths=0.5, label=r["name"])
+    names = ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, title="entry", markerscale=0.3)
+    ax.add_artist(names)
+    reference = sorted({round(max(memory) * f, -1) or 1.0 for f in (0.25, 0.5, 1.0)})
+    handles = [ax.scatter([], [], s=mb * scale, color="lightgray", edgecolors="black") for mb in reference]
+    ax.legend(handles, [f"{mb:,.0f} MB" for mb in reference], loc="lower left", bbox_to_anchor=(1.02, 0.0),
+              fontsize=8, title="peak memory", labelspacing=2.2, borderpad=1.5, handletextpad=2.0, frameon=False)
+    ax.margins(x=0.2, y=0.2)
 
 
 def plot_loss_by_position(plt, task: str, rows: list[dict], out: Path) -> None:

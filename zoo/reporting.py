@@ -96,7 +96,7 @@ def pyplot():
 def save_figure(fig, path: str | Path, dpi: int = 120) -> None:
     """Lay out, write and close ``fig`` (an open figure keeps its memory until closed)."""
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")  # legends outside the axes stay in the picture
     pyplot().close(fig)
 
 

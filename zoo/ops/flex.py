@@ -39,8 +39,8 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers.masking_utils import and_masks, causal_mask_function
 
-from zoo.variant import AttentionCall, Variant
 from zoo.pattern import MaskMod as IndexPredicate
+from zoo.variant import AttentionCall, Variant
 
 logger = logging.getLogger(__name__)
 
