@@ -16,6 +16,7 @@ import torch
 
 from zoo.hf import run_variant
 from zoo.ops import allowed_mask, expand_kv, flex, softmax_attention
+from zoo.pattern import Pattern, band
 from zoo.testing import LargestAllocation, make_call, make_inputs, make_variant, reference
 from zoo.variant import Variant
 
@@ -37,7 +38,7 @@ class BandOnlyPattern(Variant):
     name = "band_only_pattern"
 
     def pattern(self, call, q_len, kv_len):
-        return lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() <= 5
+        return Pattern(band(5))
 
     def attend(self, q, k, v, call):
         allowed = allowed_mask(call, self.pattern(call, q.shape[-2], k.shape[-2]), *q.shape[:2], q.shape[-2],
@@ -101,6 +102,30 @@ def test_block_mask_holds_exactly_the_blocks_the_pattern_touches(name, params):
     assert torch.equal(nonempty, touched)
     if name != "sparse_transformer":  # its every-l-th / summary columns touch every 128-tile: Flex would be dense
         assert nonempty.float().mean() < 0.35
+
+
+@pytest.mark.parametrize("n", [256, 300])
+def test_a_whole_blocks_pattern_is_constant_on_its_blocks(n):
+    variant = make_variant("bigbird", block_size=32)
+    call = make_call(False)
+    pattern = variant.pattern(call, n, n)
+    assert pattern.whole_blocks
+    allowed = allowed_mask(call, pattern, 1, 2, n, n)[0]
+    table = flex.block_table(pattern, 1, 2, n, "cpu")[0]
+    blocks = torch.arange(n) // pattern.block_size
+    assert torch.equal(allowed, table[:, blocks][:, :, blocks])
+
+
+def test_block_mask_build_evaluates_only_the_candidate_tiles(monkeypatch):
+    n = 4096
+    variant = make_variant("longformer", window=512)  # one global token: its row and column of tiles, and the band
+    pattern = variant.pattern(make_call(False), n, n)
+    evaluated = []
+    counted = Pattern(lambda b, h, q, kv: evaluated.append(torch.broadcast_shapes(q.shape, kv.shape).numel())
+                      or pattern(b, h, q, kv), reach=pattern.reach, sinks=pattern.sinks,
+                      global_queries=pattern.global_queries)
+    flex.build_block_mask(counted, False, None, 1, 2, n, "cpu")
+    assert sum(evaluated) < n * n // 4
 
 
 def test_block_mask_is_built_without_an_n_by_n_tensor(monkeypatch):

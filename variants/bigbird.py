@@ -205,7 +205,7 @@ class BigBirdAttention(Variant):
 
     def pattern(self, call: AttentionCall, q_len: int, kv_len: int) -> Pattern:
         """The kernel's own cached layout: query block i sees key block j when the layout names j for i (or i is a
-        global block); ``key_blocks`` hints the layout's key blocks of each query block."""
+        global block); constant on (block, block) tiles (``whole_blocks``)."""
         block = self.block_size
         num_blocks = -(-kv_len // block)
         layouts = {}
@@ -220,7 +220,7 @@ class BigBirdAttention(Variant):
             layout = layout_for(heads, torch.as_tensor(q_idx).device)
             return layout.adjacency[head_idx, q_idx // block, kv_idx // block]
 
-        return Pattern(bigbird_blocks, block_size=block)
+        return Pattern(bigbird_blocks, block_size=block, whole_blocks=True)
 
     def flops(self, n: int, heads: int, head_dim: int, causal: bool = False) -> float:
         block, g, r, half = self.block_size, self.num_global_blocks, self.num_random_blocks, self.window_blocks // 2

@@ -17,6 +17,7 @@ instead of restating the rule:
   windowed cache; ``global_queries``: the rows that see every key (the cache keeps every key until they passed).
 * ``block_size`` and ``key_blocks``: the key blocks each query block reads (a superset of the pattern), so a
   chunked kernel gathers only those (BigBird's layout; a band's neighbouring blocks).
+  ``whole_blocks``: the predicate is constant on (block, block) tiles (BigBird's layout).
 
 Where each built-in pattern is defined: ``variants/longformer.py`` (``LongformerAttention.pattern``),
 ``variants/xformers.py`` (``XFormersAttention.pattern``), ``variants/bigbird.py`` (``BigBirdAttention.pattern``
@@ -192,6 +193,9 @@ class Pattern:
     global_queries: TokenSet | None = None
     block_size: int | None = None
     key_blocks: Callable[[torch.Tensor], torch.Tensor] | None = None
+    whole_blocks: bool = False
+    """The predicate is constant on each ``block_size`` x ``block_size`` tile (BigBird's block layout): one pair
+    per tile decides the tile (:mod:`zoo.ops.flex` builds its block mask from that)."""
 
     def __call__(self, b, h, q_idx, kv_idx):
         return self.mask_mod(b, h, q_idx, kv_idx)

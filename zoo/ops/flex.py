@@ -12,11 +12,12 @@ Which backend runs (:func:`use_flex`), set with :func:`attention_backend` (a con
   and benchmarks). Variants without a pattern (dense, approximate) run their own kernel under every backend.
 * ``"chunked"``: the variant's own kernel (``Variant.attend``) always.
 
-The block mask is never built from an n x n tensor: the pattern predicate is evaluated on query chunks of at most
-:data:`EVAL_ELEMENTS` (query, key) pairs and reduced to per-block counts at once (O(n²) predicate evaluations, O(n)
-memory per chunk). A pattern that covers whole tiles of some size (BigBird's blocks) is then looked up per tile
-inside the kernel (so it need not be traceable); any other pattern's predicate runs inside the kernel on the
-partial blocks (it must be traceable by torch.compile: index arithmetic and indexing of captured tensors).
+The block mask is never built from an n x n tensor, nor from n² predicate evaluations where the pattern has hints:
+the predicate is evaluated only on the candidate tiles its hints name (``key_blocks``, or ``reach`` with ``sinks``
+and ``global_queries``: O(n · keys per query)), in chunks of at most :data:`EVAL_ELEMENTS` (query, key) pairs. A
+pattern of whole blocks (``Pattern.whole_blocks``: BigBird's layout) is evaluated once per block pair and looked up
+per block inside the kernel (so it need not be traceable); any other pattern's predicate runs inside the kernel on
+the partial tiles (it must be traceable by torch.compile: index arithmetic and indexing of captured tensors).
 Masks are cached per (pattern identity, causality, padding, shape, device): layers with the same pattern share one.
 Compilation: dynamic shapes on CUDA (no recompilation for a new length); on CPU static, per length bucket
 (:func:`bucket_length`: 2^k or 1.5 * 2^k tokens, the padding hidden by the mask), so ``generate`` on prompts of
@@ -27,6 +28,7 @@ as ``longformer`` with global tokens does, still compiles once per length: the k
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -39,7 +41,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers.masking_utils import and_masks, causal_mask_function
 
-from zoo.pattern import MaskMod as IndexPredicate
+from zoo.pattern import MaskMod, Pattern, TokenSet
 from zoo.variant import AttentionCall, Variant
 
 logger = logging.getLogger(__name__)
@@ -184,12 +186,12 @@ def block_mask_for(
     """The cached BlockMask of the variant's pattern for this call (built once per pattern identity and shape), for
     inputs padded to ``length`` (default n) tokens."""
     length = length or n
-    predicate = variant.pattern(call, n, n)
-    key = (_fingerprint(predicate), call.causal, _fingerprint(call.padding_mask), batch, heads, n, length,
+    pattern = variant.pattern(call, n, n)
+    key = (_fingerprint(pattern), call.causal, _fingerprint(call.padding_mask), batch, heads, n, length,
            torch.device(device))
     mask = _masks.get(key)
     if mask is None:
-        mask = build_block_mask(predicate, call.causal, call.padding_mask, batch, heads, n, device, length)
+        mask = build_block_mask(pattern, call.causal, call.padding_mask, batch, heads, n, device, length)
         _masks[key] = mask
         if len(_masks) > MASK_CACHE_SIZE:
             _masks.popitem(last=False)
@@ -199,89 +201,129 @@ def block_mask_for(
 
 
 def build_block_mask(
-    predicate: IndexPredicate, causal: bool, padding_mask: torch.Tensor | None, batch: int, heads: int, n: int, device,
+    pattern: Pattern, causal: bool, padding_mask: torch.Tensor | None, batch: int, heads: int, n: int, device,
     length: int | None = None,
 ) -> BlockMask:
-    """BlockMask (tiles of :data:`FLEX_BLOCK`) of ``predicate`` ∧ causality ∧ padding (keys) over n tokens, for
-    inputs padded to ``length`` tokens (the keys after n hidden). When the pattern covers whole tiles of some size g
-    (BigBird's blocks), the kernel looks it up in a (n/g)² table instead of running the predicate (which then need
-    not be traceable)."""
-    fine = fine_granularity(n)
-    pattern, combined = pattern_block_counts(predicate, causal, batch, heads, n, fine, device)
-    kernel_pattern = predicate
-    size = FLEX_BLOCK
-    while size >= fine:
-        counts = _pool(pattern, size // fine)
-        if bool(((counts == 0) | (counts == _block_area(n, size, device))).all()):
-            kernel_pattern = _block_lookup(_pad_tiles(counts > 0, math.ceil((length or n) / size)), size)
-            break
-        size //= 2
-    return _to_block_mask(kernel_pattern, _pool(combined, FLEX_BLOCK // fine), causal, padding_mask, n, length or n)
+    """BlockMask (tiles of :data:`FLEX_BLOCK`) of ``pattern`` ∧ causality ∧ padding (keys) over n tokens, for inputs
+    padded to ``length`` tokens (the keys after n hidden).
+
+    A pattern of whole blocks (``whole_blocks``: BigBird's layout) is evaluated once per (block, block) pair and
+    looked up per block inside the kernel (so its predicate need not be traceable); any other pattern is evaluated
+    pair by pair on the candidate tiles its hints name (:func:`candidate_tiles`) and runs inside the kernel."""
+    length = length or n
+    if pattern.whole_blocks and pattern.block_size:
+        table = block_table(pattern, batch, heads, n, device)
+        counts = _tile_counts_of_blocks(table, pattern.block_size, n)
+        blocks = math.ceil(length / pattern.block_size)
+        kernel_pattern = _block_lookup(_pad_tiles(table, blocks), pattern.block_size)
+    else:
+        counts = pattern_tile_counts(pattern, batch, heads, n, device)
+        kernel_pattern = pattern.mask_mod
+    return _to_block_mask(kernel_pattern, counts, causal, padding_mask, n, length)
 
 
-def fine_granularity(n: int) -> int:
-    """Tile size at which a pattern is first counted: a power of two in [8, FLEX_BLOCK], at most ~512 tiles a side."""
-    return min(FLEX_BLOCK, max(8, 1 << max(0, math.ceil(n / 512) - 1).bit_length()))
+def block_table(pattern: Pattern, batch: int, heads: int, n: int, device) -> torch.Tensor:
+    """(B|1, H|1, nb, nb) bool: a whole-blocks pattern evaluated at the first pair of each (block, block) tile."""
+    starts = torch.arange(0, n, pattern.block_size, device=device)
+    allowed = _evaluate(pattern, batch, heads, starts[:, None], starts[None, :], device)
+    return allowed.expand(*allowed.shape[:2], len(starts), len(starts))
 
 
-def pattern_block_counts(
-    predicate: IndexPredicate, causal: bool, batch: int, heads: int, n: int, block: int, device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Allowed pairs per (block x block) tile of the pattern alone and of pattern ∧ causality: two (B|1, H|1, nb, nb)
-    int32 tensors (B or H is 1 when the pattern does not depend on it). The predicate sees broadcast index tensors
-    for one chunk of query blocks at a time: never an n x n tensor."""
-    blocks = math.ceil(n / block)
-    index = {"device": device}
-    b = torch.arange(batch, **index)[:, None, None, None]
-    h = torch.arange(heads, **index)[None, :, None, None]
-    kv = torch.arange(n, **index)[None, None, None, :]
-
-    def allowed_rows(start: int, stop: int) -> torch.Tensor:
-        q = torch.arange(start, stop, **index)[None, None, :, None]
-        allowed = torch.as_tensor(predicate(b, h, q, kv), device=device)
-        return allowed.expand(*allowed.shape[:2], stop - start, n), q
-
-    probe, _ = allowed_rows(0, 1)  # batch and head dims the pattern really depends on size the chunks
-    rows_per_chunk = max(1, EVAL_ELEMENTS // (blocks * block * block * probe.shape[0] * probe.shape[1])) * block
-    pattern_parts, combined_parts = [], []
-    for start in range(0, blocks * block, rows_per_chunk):
-        allowed, q = allowed_rows(start, min(start + rows_per_chunk, n))
-        pattern_parts.append(_tile_sums(allowed, block))
-        combined_parts.append(_tile_sums(allowed & (kv <= q), block) if causal else pattern_parts[-1])
-    return _cat_broadcast(pattern_parts), _cat_broadcast(combined_parts)
+def _tile_counts_of_blocks(blocks: torch.Tensor, block: int, n: int) -> torch.Tensor:
+    """(..., nb, nb) per-block weights (allowed: 1) -> (..., nt, nt) int32 pairs per FLEX_BLOCK tile, any block size:
+    overlap (nt, nb) @ blocks @ overlap^T, overlap[t, i] = tokens (below n) in both tile t and block i."""
+    position = torch.arange(n, device=blocks.device)
+    overlap = torch.zeros(math.ceil(n / FLEX_BLOCK), blocks.shape[-1], device=blocks.device)
+    ones = torch.ones(n, device=blocks.device)
+    overlap.index_put_((position // FLEX_BLOCK, position // block), ones, accumulate=True)
+    return (overlap @ blocks.float() @ overlap.T).round().to(torch.int32)
 
 
-def _tile_sums(allowed: torch.Tensor, block: int) -> torch.Tensor:
-    """(B, H, rows, n) bool -> (B, H, ceil(rows/block), ceil(n/block)) int32 counts (out-of-range pairs: False)."""
-    rows, cols = allowed.shape[-2:]
-    padded = torch.nn.functional.pad(allowed, (0, -cols % block, 0, -rows % block))
-    tiles = padded.unflatten(-1, (-1, block)).unflatten(-3, (-1, block))  # (B, H, qb, block, kb, block)
+def candidate_tiles(pattern: Pattern, batch: int, n: int, device) -> torch.Tensor:
+    """(nt, nt) bool: the FLEX_BLOCK tiles the pattern may touch, from its hints (all tiles without hints).
+
+    ``key_blocks`` (with ``block_size``): the named key blocks of each query block, mapped onto tiles. ``reach``:
+    the tiles within reach, the columns of tiles holding ``sinks`` and the rows of tiles holding ``global_queries``.
+    """
+    tiles = math.ceil(n / FLEX_BLOCK)
+    if pattern.key_blocks is not None and pattern.block_size:
+        num_blocks = math.ceil(n / pattern.block_size)
+        named = pattern.key_blocks(torch.arange(num_blocks, device=device)).to(device)
+        inside = (named >= 0) & (named < num_blocks)
+        per_block = torch.zeros(num_blocks, num_blocks, device=device)
+        per_block.scatter_(1, named.clamp(0, num_blocks - 1), inside.float(), reduce="add")
+        return _tile_counts_of_blocks(per_block, pattern.block_size, n) > 0
+    if pattern.reach is None:
+        return torch.ones(tiles, tiles, dtype=torch.bool, device=device)
+    tile = torch.arange(tiles, device=device)
+    candidates = (tile[:, None] - tile[None, :]).abs() <= math.ceil(pattern.reach / FLEX_BLOCK)
+    rows, positions = torch.arange(batch, device=device)[:, None], torch.arange(n, device=device)[None, :]
+    if pattern.sinks:
+        candidates |= _tiles_holding(pattern.sinks(rows, positions), n)[None, :]
+    if pattern.global_queries:
+        candidates |= _tiles_holding(pattern.global_queries(rows, positions), n)[:, None]
+    return candidates
+
+
+def _tiles_holding(members: torch.Tensor, n: int) -> torch.Tensor:
+    """(B|1, n) bool token members -> (nt,) bool: tiles holding a member in any row."""
+    members = torch.as_tensor(members).reshape(-1, n).any(0)
+    return torch.nn.functional.pad(members, (0, -n % FLEX_BLOCK)).unflatten(0, (-1, FLEX_BLOCK)).any(-1)
+
+
+def pattern_tile_counts(pattern: Pattern, batch: int, heads: int, n: int, device) -> torch.Tensor:
+    """(B|1, H|1, nt, nt) int32 allowed pairs per FLEX_BLOCK tile (B or H is 1 when the pattern does not depend on
+    it), evaluated on the candidate tiles only: O(n · candidate keys per query), never an n x n tensor. Query tiles
+    go in chunks of at most :data:`EVAL_ELEMENTS` pairs, sorted by their number of candidate tiles and grouped with
+    rows at most twice as wide (a global row of tiles does not widen the chunks of band rows)."""
+    candidates = candidate_tiles(pattern, batch, n, device)
+    tiles = candidates.shape[0]
+    probe = _evaluate(pattern, batch, heads, torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
+                      device)
+    counts = torch.zeros(*probe.shape[:2], tiles, tiles, dtype=torch.int32, device=device)
+    widths = candidates.sum(-1)
+    order = widths.argsort(stable=True)
+    cost = FLEX_BLOCK * FLEX_BLOCK * probe.shape[0] * probe.shape[1]
+    start = 0
+    while start < tiles:
+        narrowest = max(1, int(widths[order[start]]))
+        similar = int(torch.searchsorted(widths[order], 2 * narrowest, right=True)) - start  # padding at most 2x
+        size = min(similar, max(1, EVAL_ELEMENTS // (narrowest * cost)))
+        while size > 1 and int(widths[order[start + size - 1]]) * size * cost > EVAL_ELEMENTS:
+            size //= 2
+        query_tiles = order[start : start + size]
+        width = int(widths[query_tiles].max())
+        key_tiles = candidates[query_tiles].to(torch.int8).argsort(dim=-1, descending=True, stable=True)[:, :width]
+        named = torch.gather(candidates[query_tiles], 1, key_tiles)  # (s, width): False for filler slots
+        counts[:, :, query_tiles[:, None], key_tiles] = _count_tiles(pattern, batch, heads, n, query_tiles, key_tiles,
+                                                                     device) * named
+        start += size
+    return counts
+
+
+def _count_tiles(pattern: Pattern, batch: int, heads: int, n: int, query_tiles: torch.Tensor,
+                 key_tiles: torch.Tensor, device) -> torch.Tensor:
+    """(B|1, H|1, s, width) int32 allowed pairs (positions below n) of query tile i with key tile key_tiles[i, j]."""
+    within = torch.arange(FLEX_BLOCK, device=device)
+    query = (query_tiles[:, None] * FLEX_BLOCK + within).reshape(-1, 1)  # (s·T, 1)
+    key = (key_tiles[:, :, None] * FLEX_BLOCK + within).flatten(1)  # (s, width·T)
+    key = key.repeat_interleave(FLEX_BLOCK, 0)  # (s·T, width·T): each query row with its tile's keys
+    allowed = _evaluate(pattern, batch, heads, query, key, device) & (query < n) & (key < n)
+    tiles = allowed.unflatten(-1, (-1, FLEX_BLOCK)).unflatten(-3, (-1, FLEX_BLOCK))  # (B, H, s, T, width, T)
     return tiles.sum(dim=(-3, -1), dtype=torch.int32)
 
 
-def _cat_broadcast(parts: list[torch.Tensor]) -> torch.Tensor:
-    batch = max(p.shape[0] for p in parts)
-    heads = max(p.shape[1] for p in parts)
-    return torch.cat([p.expand(batch, heads, *p.shape[2:]) for p in parts], dim=2)
+def _evaluate(pattern: Pattern, batch: int, heads: int, query: torch.Tensor, key: torch.Tensor, device) -> torch.Tensor:
+    """The pattern on (rows, cols) query and key positions for every batch row and head: (B|1, H|1, rows, cols)."""
+    b = torch.arange(batch, device=device)[:, None, None, None]
+    h = torch.arange(heads, device=device)[None, :, None, None]
+    allowed = torch.as_tensor(pattern(b, h, query.to(device)[None, None], key.to(device)[None, None]), device=device)
+    while allowed.dim() < 4:
+        allowed = allowed[None]
+    return allowed.expand(*allowed.shape[:2], *torch.broadcast_shapes(query.shape, key.shape))
 
 
-def _pool(counts: torch.Tensor, factor: int) -> torch.Tensor:
-    """Counts of (factor x factor) groups of tiles: the counts at a block size ``factor`` times larger."""
-    if factor == 1:
-        return counts
-    rows, cols = counts.shape[-2:]
-    padded = torch.nn.functional.pad(counts, (0, -cols % factor, 0, -rows % factor))
-    return padded.unflatten(-1, (-1, factor)).unflatten(-3, (-1, factor)).sum(dim=(-3, -1), dtype=torch.int32)
-
-
-def _block_area(n: int, block: int, device) -> torch.Tensor:
-    """(nb, nb) pairs inside the sequence per tile (the last row and column of tiles may be ragged)."""
-    sizes = torch.full((math.ceil(n / block),), block, device=device)
-    sizes[-1] = n - block * (sizes.shape[0] - 1)
-    return sizes[:, None] * sizes[None, :]
-
-
-def _block_lookup(covered: torch.Tensor, block: int) -> IndexPredicate:
+def _block_lookup(covered: torch.Tensor, block: int) -> MaskMod:
     """The predicate of a pattern that covers whole blocks: one lookup in its (B|1, H|1, nb, nb) block table
     (flattened: the CPU kernel template of torch 2.13 does not compile 2-D indexing of a captured tensor)."""
     batches, heads, rows, cols = covered.shape
@@ -298,7 +340,7 @@ def _block_lookup(covered: torch.Tensor, block: int) -> IndexPredicate:
     return block_pattern
 
 
-def _key_padding(padding_mask: torch.Tensor) -> IndexPredicate:
+def _key_padding(padding_mask: torch.Tensor) -> MaskMod:
     """transformers' ``padding_mask_function`` on a flattened (batch, n) mask (see :func:`_block_lookup`)."""
     n = padding_mask.shape[-1]
     real = padding_mask.flatten()
@@ -306,22 +348,26 @@ def _key_padding(padding_mask: torch.Tensor) -> IndexPredicate:
 
 
 def _to_block_mask(
-    pattern: IndexPredicate, counts: torch.Tensor, causal: bool, padding_mask: torch.Tensor | None, n: int,
+    pattern: MaskMod, counts: torch.Tensor, causal: bool, padding_mask: torch.Tensor | None, n: int,
     length: int, block: int = FLEX_BLOCK,
 ) -> BlockMask:
-    """BlockMask over ``length`` >= n tokens from tile counts of pattern ∧ causality over the first n and the key
-    padding (tile level: a tile is full when every pair is allowed and every key real, empty when no pair is allowed
-    or no key real; keys from n on are padding)."""
+    """BlockMask over ``length`` >= n tokens from the pattern's tile counts over the first n, causality and the key
+    padding (tile level: a tile is full when every pair is allowed, below the diagonal under causality and every key
+    real; empty when no pair is allowed, above the diagonal under causality or no key real; keys from n on are
+    padding)."""
     counts = _pad_tiles(counts, math.ceil(length / block))
     full = counts == block * block
     partial = counts > 0
     parts = [pattern if length == n else _within(pattern, n, counts.device)]
     if causal:
+        tile = torch.arange(counts.shape[-1], device=counts.device)
+        full, partial = full & (tile[None, :] < tile[:, None]), partial & (tile[None, :] <= tile[:, None])
         parts.append(causal_mask_function)
     if padding_mask is not None or length > n:
         real = padding_mask if padding_mask is not None else torch.ones(1, n, dtype=torch.bool)
         real = torch.nn.functional.pad(real.to(device=counts.device, dtype=torch.bool), (0, length - n))
-        real_per_tile = _tile_sums(real[:, None, None, :], block)[:, :, :1]  # (B, 1, 1, tiles)
+        real_per_tile = torch.nn.functional.pad(real, (0, -length % block)).unflatten(-1, (-1, block)).sum(-1)
+        real_per_tile = real_per_tile[:, None, None, :]  # (B, 1, 1, tiles)
         full, partial = full & (real_per_tile == block), partial & (real_per_tile > 0)
         parts.append(_key_padding(real))
     partial = partial & ~full
@@ -331,7 +377,7 @@ def _to_block_mask(
     )
 
 
-def _within(pattern: IndexPredicate, n: int, device) -> IndexPredicate:
+def _within(pattern: MaskMod, n: int, device) -> MaskMod:
     """``pattern`` on inputs padded beyond n: positions clamped into [0, n) (its captured tensors have n entries);
     the key padding hides the padded keys, and the padded query rows are cut off. The bound is a tensor, so the
     compiled kernel does not specialize on n."""
@@ -358,7 +404,7 @@ def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _fingerprint(value: Any, depth: int = 0) -> Any:
     """A hashable identity of a predicate (its code and the values it closes over) or of what it captured: two
     layers whose patterns capture equal values share one BlockMask. Unknown objects count by identity."""
-    if depth > 4:
+    if depth > 6:
         return id(value)
     if value is None or isinstance(value, (bool, int, float, str, torch.device, torch.dtype)):
         return value
@@ -374,6 +420,8 @@ def _fingerprint(value: Any, depth: int = 0) -> Any:
     if isinstance(value, types.FunctionType):
         cells = tuple(_fingerprint(c.cell_contents, depth + 1) for c in value.__closure__ or ())
         return (value.__code__, cells)
+    if isinstance(value, (Pattern, TokenSet)):
+        return (type(value), *(_fingerprint(getattr(value, f.name), depth + 1) for f in dataclasses.fields(value)))
     if isinstance(value, Variant):
         return (type(value), repr(value.config))
     if isinstance(value, AttentionCall):
