@@ -3,9 +3,11 @@ and padding), cached, and one call of compiled ``torch.nn.attention.flex_attenti
 
 Which backend runs (:func:`use_flex`), set with :func:`attention_backend` (a context manager) or per process:
 
-* ``"auto"`` (default): Flex on CUDA for every exact variant with a pattern; on CPU only for inference (no
-  gradient: FlexAttention has no backward on CPU) and only from the length where it measured faster than the
-  variant's chunked kernel (:data:`CPU_CROSSOVER`; variants not listed keep the chunked kernel on CPU). A call
+* ``"auto"`` (default): Flex only where it was measured to win: on CUDA for the variants in
+  :data:`CUDA_MEASURED` (empty until ``scripts/gpu_check.sh`` has run on a GPU: no CUDA path has run yet, and a
+  kernel that fails to compile there must not be the default); on CPU only for inference (no gradient:
+  FlexAttention has no backward on CPU) and only from the length where it measured faster than the variant's
+  chunked kernel (:data:`CPU_CROSSOVER`; empty: on this 2-core machine Flex lost to the chunked kernels). A call
   Flex cannot run (attention dropout, decoding steps, learned per-layer weights...) takes the chunked kernel,
   with one log line per reason.
 * ``"flex"``: every call of an exact pattern variant through Flex; a call it cannot run raises, naming why (tests
@@ -55,6 +57,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # CPU, eval forward: the length from which compiled Flex beat the variant's chunked kernel (measured, see README).
 # A variant not listed keeps its chunked kernel on CPU under "auto".
 CPU_CROSSOVER: dict[str, int] = {}
+# CUDA: the variants whose Flex path compiled and beat their chunked kernel in scripts/gpu_check.sh (none measured yet).
+CUDA_MEASURED: frozenset[str] = frozenset()
 
 _settings = {"backend": "auto", "compiled": True}
 _masks: OrderedDict[tuple, BlockMask] = OrderedDict()
@@ -125,8 +129,10 @@ def use_flex(variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def _auto_may_pick_flex(variant: Variant, q: torch.Tensor) -> bool:
-    """CUDA: always; CPU: from the variant's measured crossover length on (checked before building its pattern)."""
-    return q.device.type == "cuda" or q.shape[-2] >= CPU_CROSSOVER.get(variant.name, math.inf)
+    """Only where measured: CUDA for :data:`CUDA_MEASURED`, CPU from :data:`CPU_CROSSOVER` (checked first)."""
+    if q.device.type == "cuda":
+        return variant.name in CUDA_MEASURED
+    return q.shape[-2] >= CPU_CROSSOVER.get(variant.name, math.inf)
 
 
 def is_pattern_variant(variant: Variant, call: AttentionCall, q_len: int, kv_len: int) -> bool:
