@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from zoo.hf import run_variant
+from zoo.dispatch import run_variant
 from zoo.ops import flex
 from zoo.registry import get_variant_class
 from zoo.variant import AttentionCall

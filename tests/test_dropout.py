@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import zoo.ops.dropout as dropout_ops
-from zoo.hf import run_variant
+from zoo.dispatch import run_variant
 from zoo.ops import allowed_mask, safe_softmax
 from zoo.ops.dropout import Dropout, dropped_probabilities
 from zoo.testing import LargestAllocation, make_call, make_inputs, make_variant, modes, real_rows

@@ -14,7 +14,7 @@ import logging
 import pytest
 import torch
 
-from zoo.hf import run_variant
+from zoo.dispatch import run_variant
 from zoo.ops import allowed_mask, expand_kv, flex, softmax_attention
 from zoo.pattern import Pattern, band
 from zoo.testing import LargestAllocation, make_call, make_inputs, make_variant, reference

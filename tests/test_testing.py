@@ -9,7 +9,7 @@ import transformers
 
 import zoo
 from zoo import contract
-from zoo.hf import run_variant
+from zoo.dispatch import run_variant
 from zoo.ops import allowed_mask, softmax_attention
 from zoo.testing import (
     LargestAllocation,

@@ -6,7 +6,8 @@ saved with a variant load back with it.
 
 from zoo.cache import cache_nbytes
 from zoo.convert import from_longformer
-from zoo.hf import IMPLEMENTATION, configure, install, make_cache, variant_for, variant_spec
+from zoo.generation import make_cache
+from zoo.hf import IMPLEMENTATION, configure, install, variant_for, variant_spec
 from zoo.longify import longify
 from zoo.ops.flex import attention_backend
 from zoo.registry import (

@@ -12,7 +12,7 @@
 How a layer reaches the kernel: transformers' attention modules call ``cache.update(k, v, layer_idx,
 kwargs=attention_kwargs)`` and then the attention function with ``**attention_kwargs`` (Llama, Mistral, Qwen2,
 GPT-2 on transformers 5.24). ``update`` puts the layer into that dict under :data:`LAYER_KWARG`;
-:func:`zoo.hf.zoo_attention_forward` moves it into ``AttentionCall.cache``.
+:func:`zoo.dispatch.zoo_attention_forward` moves it into ``AttentionCall.cache``.
 
 Masks: transformers builds one 2-D padding mask for all layers, sized by a layer's ``get_mask_sizes``. Our
 layers report every token seen, so the mask has one column per position and :meth:`key_columns` picks the

@@ -4,7 +4,7 @@ Run it on the installed variants (the project's tests import it) or on your own 
 
     pytest --pyargs zoo.contract -k my_variant
 
-Each kernel is called through the same plumbing transformers uses (:func:`zoo.hf.run_variant`) on small
+Each kernel is called through the same plumbing transformers uses (:func:`zoo.dispatch.run_variant`) on small
 inputs (batch 2, 2 heads, n=100, head_dim 16, q/k/v ~ N(0, 1), the second row padded) built with the
 variant's ``test_params``. Exact variants must equal their reference -- softmax attention restricted to
 their own pattern -- within 1e-5 in fp32; approximate ones must stay within their ``error_bound``. A variant
@@ -25,7 +25,7 @@ import torch
 import transformers
 
 import zoo
-from zoo.hf import run_variant
+from zoo.dispatch import run_variant
 from zoo.registry import get_variant_class, list_variants
 from zoo.testing import (
     ATOL,

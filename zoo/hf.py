@@ -9,32 +9,27 @@ config.json), so two models with different variants coexist in one process, and 
 refuses the unknown implementation -- whose name says ``pip install attention-zoo`` -- instead of
 silently running dense attention).
 
-Decoding: ``generate`` gets the variant's own cache (:mod:`zoo.cache`) without any argument
-(:func:`prepare_generation_cache`, wrapped around transformers' cache preparation in :mod:`zoo._patches`);
-:func:`make_cache` returns one for users who pass ``cache=`` or run their own loop.
+The plug is split by job: this module holds the configure API (:func:`configure`, :func:`variant_for`, the saved
+spec's checks) and the registration with transformers plus config persistence (:func:`install`);
+:mod:`zoo.dispatch` is the attention function transformers calls (:func:`zoo.dispatch.run_variant`);
+:mod:`zoo.generation` is the generation-cache policy (``generate`` gets the variant's own cache,
+:func:`zoo.generation.make_cache`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-import torch
 from transformers import AttentionInterface, AttentionMaskInterface, PretrainedConfig, PreTrainedModel
-from transformers.cache_utils import DynamicCache, DynamicLayer
-from transformers.generation.configuration_utils import GenerationMode
 from transformers.masking_utils import flash_attention_mask
 
 from zoo import _patches
-from zoo.cache import LAYER_KWARG, CacheRollbackError, WindowedLayer, ZooCache
-from zoo.ops import expand_kv, flex
-from zoo.pattern import row_starts
 from zoo.registry import UnknownVariantError, get_variant_class, variant_source
-from zoo.variant import AttentionCall, Variant
-from zoo.weights import WEIGHTS_NAME, attach, initialize_missing
+from zoo.variant import Variant
+from zoo.weights import attach, initialize_missing
 
 logger = logging.getLogger(__name__)
 
@@ -140,14 +135,13 @@ def _warn_sliding_window(config: PretrainedConfig, name: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# the attention function transformers calls
+# the variant of a config
 
-# Per-config caches keyed by id() (configs are unhashable); entries die with their config.
 _variants: dict[int, tuple] = {}
-_layer_counters: dict[int, list[int]] = {}
 
 
-def _cache_for(cache: dict, config: PretrainedConfig, default: Any) -> Any:
+def per_config(cache: dict, config: PretrainedConfig, default: Any) -> Any:
+    """``cache``'s entry for ``config``, keyed by id() (configs are unhashable); the entry dies with its config."""
     key = id(config)
     if key not in cache:
         cache[key] = default
@@ -169,7 +163,7 @@ def variant_for(config: PretrainedConfig) -> Variant:
     key = (spec["variant"], repr(spec.get("params", {})))
     if cached is None or cached[0] != key:
         cached = (key, check_saved_spec(spec, where))
-        _cache_for(_variants, config, cached)
+        per_config(_variants, config, cached)
         _variants[id(config)] = cached
     return cached[1]
 
@@ -226,203 +220,6 @@ def zoo_variant_of(config: PretrainedConfig) -> Variant | None:
     return variant_for(config)
 
 
-def _layer_index(module: torch.nn.Module) -> int:
-    """``module.layer_idx`` if the model sets it, else a stable index in first-call order."""
-    idx = getattr(module, "layer_idx", None)
-    if idx is not None:
-        return int(idx)
-    idx = getattr(module, "_attention_zoo_layer_idx", None)
-    if idx is None:
-        counter = _cache_for(_layer_counters, module.config, [0])
-        idx = counter[0]
-        counter[0] += 1
-        module._attention_zoo_layer_idx = idx
-    return idx
-
-
-def zoo_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers AttentionInterface function: q/k/v (B, H, N, D) in, (B, N, H, D) out."""
-    config = module.config
-    variant = variant_for(config)
-    if kwargs.get("output_attentions"):
-        raise ValueError(
-            f"output_attentions=True is not available with attention-zoo variant {variant.name!r}: it never "
-            "builds the n x n probability matrix. Use attn_implementation='eager' to inspect attention weights."
-        )
-    if attention_mask is not None and attention_mask.dim() != 2:
-        raise ValueError(
-            f"attention-zoo expects a 2-D (batch, seq) padding mask, got shape {tuple(attention_mask.shape)}. "
-            "Pass a 2-D attention_mask to the model (custom 4-D masks are not supported)."
-        )
-    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
-    q_len, kv_len = query.shape[-2], key.shape[-2]
-    cross = is_cross_attention(module) or (q_len != kv_len and not causal)
-    spec = getattr(config, CONFIG_KEY)
-    padding_mask = attention_mask.bool() if attention_mask is not None else None
-    cache_layer = kwargs.pop(LAYER_KWARG, None)  # our cache layer, handed over by its update() (zoo.cache)
-    row_start = None if cross else row_starts(padding_mask)  # over every token seen (before key_columns)
-    positions, decoding = None, kv_len > q_len and not cross
-    if cache_layer is not None:
-        if isinstance(cache_layer, WindowedLayer):  # it marks each row's sinks from where the row starts
-            if cache_layer.rows_known:
-                row_start = cache_layer.row_start
-            else:
-                cache_layer.set_row_start(row_start)
-        padding_mask = cache_layer.key_columns(padding_mask)
-        positions, decoding = cache_layer.key_positions, cache_layer.seen > q_len
-    call = AttentionCall(
-        causal=causal,
-        scaling=float(scaling if scaling is not None else query.shape[-1] ** -0.5),
-        padding_mask=padding_mask,
-        dropout=float(dropout),
-        training=module.training,
-        layer_idx=_layer_index(module),
-        extra=kwargs,
-        state=spec.setdefault("state", {}),
-        cache=cache_layer,
-        weights=module._modules.get(WEIGHTS_NAME),
-        positions=positions,
-        decoding=decoding,
-        row_start=row_start,
-        cross_attention=cross,
-    )
-    out = run_variant(variant, query, key, value, call)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def is_cross_attention(module: torch.nn.Module) -> bool:
-    """The module attends from one sequence to another (BERT's ``BertCrossAttention``, encoder-decoder models)."""
-    return bool(getattr(module, "is_cross_attention", False)) or "CrossAttention" in type(module).__name__
-
-
-def run_variant(
-    variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall
-) -> torch.Tensor:
-    """Check the call against what the variant supports, run its kernel (or FlexAttention, :mod:`zoo.ops.flex`),
-    zero padded query rows. ``k``/``v`` may have fewer (grouped) heads than ``q``.
-
-    Under cross-attention ``call.padding_mask`` covers the keys (the encoder's tokens), not the queries: no row is
-    zeroed, as transformers' own implementations do."""
-    if call.cross_attention and not variant.supports_cross_attention:
-        raise ValueError(
-            f"attention-zoo variant {variant.name!r} does not support cross-attention (query length {q.shape[-2]}, "
-            f"key length {k.shape[-2]}): its pattern is defined over positions of one sequence. Keep the "
-            "cross-attention layers on transformers' attention (attention-zoo replaces every layer's attention, so "
-            "use a model without add_cross_attention), or pick a variant that supports it (sdpa, dense)."
-        )
-    if call.causal and not call.decoding and q.shape[-2] < k.shape[-2]:  # a caller of its own (tests, hybrid)
-        call = dataclasses.replace(call, decoding=True)
-    if call.causal and not variant.supports_causal:
-        raise ValueError(f"attention-zoo variant {variant.name!r} does not support causal attention.")
-    if not call.causal and not variant.supports_bidirectional:
-        raise ValueError(f"attention-zoo variant {variant.name!r} supports causal attention only.")
-    if call.effective_dropout > 0 and not variant.supports_dropout:
-        raise ValueError(
-            f"attention-zoo variant {variant.name!r} does not support attention dropout (got p={call.dropout}). "
-            "Set the model's attention dropout to 0 (e.g. config.attention_probs_dropout_prob=0.0 for BERT, "
-            "attention_dropout=0.0 for Llama/ModernBERT)."
-        )
-    if flex.use_flex(variant, q, k, v, call):  # FlexAttention hook (zoo.ops.flex): GQA keys stay unexpanded
-        out = flex.attend(variant, q, k, v, call)
-    else:
-        out = variant.attend(q, *expand_kv(k, v, q.shape[1]), call)
-    if call.padding_mask is not None and not call.cross_attention:
-        # the queries are the last keys (the new tokens when a cache holds earlier ones)
-        out = out.masked_fill(~call.padding_mask[:, None, -out.shape[-2] :, None], 0.0)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------
-# decoding: the variant's own cache
-
-
-def make_cache(model: PreTrainedModel | PretrainedConfig) -> ZooCache:
-    """A fresh decoding cache for the model's variant: ``model.generate(..., cache=zoo.make_cache(model))`` or
-    ``model(input_ids, cache=cache, use_cache=True)`` in a loop of your own. ``generate`` builds one by itself
-    when no cache is given; each generation needs its own (the state lives in the cache, not on the model)."""
-    config = model.config if isinstance(model, PreTrainedModel) else model
-    if not _uses_zoo(config):
-        raise ValueError(
-            "zoo.make_cache: this model is not configured with an attention-zoo variant; use transformers' "
-            "DynamicCache (or call zoo.configure(model, 'variant_name') first)."
-        )
-    return ZooCache(variant_for(config), config)
-
-
-def _uses_zoo(config: Any) -> bool:
-    return getattr(config, "_attn_implementation", None) == IMPLEMENTATION and bool(variant_spec(config))
-
-
-def prepare_generation_cache(model: Any, arguments: dict[str, Any], run_original: Callable[[], Any]) -> Any:
-    """``generate``'s cache preparation for zoo models (wrapped in :mod:`zoo._patches`; others run the original).
-
-    No cache given: the variant's cache replaces transformers' default ``DynamicCache``. A cache given by the
-    user is checked (it must hold every key, or be the variant's). Caches that hold keys the kernels do not
-    expect (``cache_implementation="static"``: fixed-size buffers with unfilled slots; sliding or quantized
-    layers) are refused instead of decoding different tokens.
-    """
-    config = getattr(model, "config", None)
-    if not _uses_zoo(config):
-        return run_original()
-    generation_config, model_kwargs = arguments["generation_config"], arguments["model_kwargs"]
-    variant = variant_for(config)
-    user_cache = model_kwargs.get("cache")
-    implementation = generation_config.cache_implementation
-    if user_cache is not None:
-        _check_user_cache(variant, user_cache)
-    elif generation_config.use_cache is not False and implementation not in (None, "dynamic"):
-        raise ValueError(
-            f"generate(cache_implementation={implementation!r}) is not supported with attention-zoo variant "
-            f"{variant.name!r}: that cache holds keys in a layout the variant's kernel does not expect (a static "
-            f"cache adds unfilled slots, so it would decode different tokens). Leave cache_implementation unset: "
-            f"generate then uses the variant's own cache (the one zoo.make_cache(model) returns)."
-        )
-    result = run_original()
-    cache = model_kwargs.get("cache")
-    if user_cache is None and type(cache) is DynamicCache:
-        cache = model_kwargs["cache"] = ZooCache(variant, config)
-        if getattr(generation_config, "is_assistant", False):
-            cache.activate_past_recording()
-    if arguments.get("generation_mode") == GenerationMode.ASSISTED_GENERATION and cache is not None:
-        if not all(getattr(layer, "is_croppable", True) for layer in cache.layers):
-            raise CacheRollbackError(
-                f"Assisted decoding rolls the cache back after rejected draft tokens, and attention-zoo variant "
-                f"{variant.name!r} keeps a recurrent state (a running sum over every token) that cannot be rolled "
-                f"back. Decode without an assistant model, or use a variant that keeps keys."
-            )
-    return result
-
-
-def _check_user_cache(variant: Variant, cache: Any) -> None:
-    if isinstance(cache, ZooCache):
-        if cache.variant_name != variant.name:
-            raise ValueError(
-                f"This cache was made for attention-zoo variant {cache.variant_name!r}, but the model runs "
-                f"{variant.name!r}. Pass zoo.make_cache(model)."
-            )
-        return
-    layers = getattr(cache, "layers", None)
-    if layers is not None and all(type(layer) is DynamicLayer for layer in layers):
-        return  # every key kept: correct for every variant (just not their memory savings)
-    kinds = sorted({type(layer).__name__ for layer in layers or []}) or [type(cache).__name__]
-    raise ValueError(
-        f"attention-zoo variant {variant.name!r} cannot decode with a {type(cache).__name__} of "
-        f"{', '.join(kinds)} layers: they hold a different set of keys than its kernel expects (a static cache adds "
-        f"unfilled slots, a sliding cache drops keys by transformers' window), so it would decode different "
-        f"tokens. Pass cache=zoo.make_cache(model), or no cache at all."
-    )
-
-
 # ---------------------------------------------------------------------------------------------------
 # registration and persistence
 
@@ -437,6 +234,9 @@ def install() -> None:
     global _installed
     if _installed:
         return
+    from zoo.dispatch import zoo_attention_forward  # both modules read the variant through this one
+    from zoo.generation import prepare_generation_cache
+
     AttentionInterface.register(IMPLEMENTATION, zoo_attention_forward)
     # The flash-style mask function yields the 2-D (batch, seq) padding mask (or None): O(n), never n x n.
     AttentionMaskInterface.register(IMPLEMENTATION, flash_attention_mask)

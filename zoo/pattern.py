@@ -4,7 +4,7 @@ A pattern's predicate is a ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` -- t
 ``transformers.masking_utils`` mask functions and of FlexAttention's ``mask_mod`` -- over broadcastable index
 tensors (token positions in the sequence the model sees: 0 .. tokens seen - 1). Variants compose it from the small
 named predicates below with :func:`or_masks` / :func:`and_masks` (transformers' own). It says nothing about
-causality or padding: the plug (:func:`zoo.hf.zoo_attention_forward`) adds those once, with transformers'
+causality or padding: the plug (:func:`zoo.dispatch.zoo_attention_forward`) adds those once, with transformers'
 ``causal_mask_function`` and ``padding_mask_function`` (:func:`with_causality_and_padding`).
 
 Beside the predicate a pattern carries structural hints that the exact kernels, the decoding cache and FLOPs read

@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import zoo
-from zoo.hf import run_variant
+from zoo.dispatch import run_variant
 from zoo.ops import allowed_mask, softmax_attention
 from zoo.pattern import row_starts
 from zoo.registry import get_variant_class
@@ -157,7 +157,7 @@ def model_inputs(n: int = N, batch: int = BATCH, vocab_size: int = 64) -> tuple[
 def reference(variant: Variant, q, k, v, call: AttentionCall) -> torch.Tensor:
     """What the kernel must equal (exact) or approximate: the variant's own ``reference`` if it defines
     one, else softmax attention restricted to its pattern, causality and padding (O(n²), tests only).
-    Padded query rows are zero, as :func:`zoo.hf.run_variant` makes them."""
+    Padded query rows are zero, as :func:`zoo.dispatch.run_variant` makes them."""
     if variant.overrides("reference"):
         out = variant.reference(q, k, v, call)
     else:

@@ -41,7 +41,7 @@ def attention_modules(model: nn.Module) -> Iterator[tuple[str, int, nn.Module]]:
     The attention modules are those the model family declares (:func:`zoo._patches.declared_attention_classes`);
     for a family that declares none, those whose ``forward`` calls the attention interface.
     The layer index is the module's ``layer_idx`` when the model sets one, else its rank in model order (which is
-    also recorded on the module, so the plug's :func:`zoo.hf._layer_index` agrees with it).
+    also recorded on the module, so the plug's :func:`zoo.dispatch._layer_index` agrees with it).
     """
     classes, names = _patches.declared_attention_classes(model)
 

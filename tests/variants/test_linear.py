@@ -11,7 +11,7 @@ import transformers
 from zoo.variants.linear import LinearAttention
 
 import zoo
-from zoo.hf import run_variant
+from zoo.dispatch import run_variant
 from zoo.ops import linear_attention
 from zoo.testing import assert_memory_below_quadratic
 from zoo.variant import AttentionCall, Variant

@@ -14,7 +14,7 @@ from zoo.variants.nystromformer import NystromformerAttention, ValueConvolution,
 
 import zoo
 from zoo.contract import LargestAllocation
-from zoo.hf import run_variant
+from zoo.dispatch import run_variant
 from zoo.ops import softmax_attention
 from zoo.variant import AttentionCall, VariantParameterError
 

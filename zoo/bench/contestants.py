@@ -14,7 +14,7 @@ import torch
 import transformers
 from torch import nn
 
-from zoo.hf import run_variant
+from zoo.dispatch import run_variant
 from zoo.variant import AttentionCall, Variant
 from zoo.weights import WEIGHTS_NAME, build
 
@@ -85,7 +85,7 @@ class Contestant:
 
 
 class ZooAttentionLayer(nn.Module):
-    """Projections + a zoo variant called through the real plumbing (:func:`zoo.hf.run_variant`).
+    """Projections + a zoo variant called through the real plumbing (:func:`zoo.dispatch.run_variant`).
 
     A variant with learned per-layer weights (:meth:`Variant.make_module`) gets them as in a model (seeded, layer 0,
     for a config of this hidden size and heads whose ``max_position_embeddings`` is the benchmark's n), under

@@ -1,0 +1,138 @@
+"""The attention function transformers calls for every zoo model (registered by :func:`zoo.hf.install`).
+
+:func:`zoo_attention_forward` turns transformers' call into an :class:`~zoo.variant.AttentionCall` once -- causality,
+padding, cross-attention, where each row starts, the decoding cache layer, positions and whether it decodes -- and
+:func:`run_variant` checks it against what the variant supports and runs its kernel (or FlexAttention,
+:mod:`zoo.ops.flex`). Tests and benchmarks call :func:`run_variant` directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from zoo.cache import LAYER_KWARG, WindowedLayer
+from zoo.hf import CONFIG_KEY, per_config, variant_for
+from zoo.ops import expand_kv, flex
+from zoo.pattern import row_starts
+from zoo.variant import AttentionCall, Variant
+from zoo.weights import WEIGHTS_NAME
+
+_layer_counters: dict[int, list[int]] = {}  # per config: the next index for families without module.layer_idx
+
+def _layer_index(module: torch.nn.Module) -> int:
+    """``module.layer_idx`` if the model sets it, else a stable index in first-call order."""
+    idx = getattr(module, "layer_idx", None)
+    if idx is not None:
+        return int(idx)
+    idx = getattr(module, "_attention_zoo_layer_idx", None)
+    if idx is None:
+        counter = per_config(_layer_counters, module.config, [0])
+        idx = counter[0]
+        counter[0] += 1
+        module._attention_zoo_layer_idx = idx
+    return idx
+
+
+def zoo_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers AttentionInterface function: q/k/v (B, H, N, D) in, (B, N, H, D) out."""
+    config = module.config
+    variant = variant_for(config)
+    if kwargs.get("output_attentions"):
+        raise ValueError(
+            f"output_attentions=True is not available with attention-zoo variant {variant.name!r}: it never "
+            "builds the n x n probability matrix. Use attn_implementation='eager' to inspect attention weights."
+        )
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(
+            f"attention-zoo expects a 2-D (batch, seq) padding mask, got shape {tuple(attention_mask.shape)}. "
+            "Pass a 2-D attention_mask to the model (custom 4-D masks are not supported)."
+        )
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    cross = is_cross_attention(module) or (q_len != kv_len and not causal)
+    spec = getattr(config, CONFIG_KEY)
+    padding_mask = attention_mask.bool() if attention_mask is not None else None
+    cache_layer = kwargs.pop(LAYER_KWARG, None)  # our cache layer, handed over by its update() (zoo.cache)
+    row_start = None if cross else row_starts(padding_mask)  # over every token seen (before key_columns)
+    positions, decoding = None, kv_len > q_len and not cross
+    if cache_layer is not None:
+        if isinstance(cache_layer, WindowedLayer):  # it marks each row's sinks from where the row starts
+            if cache_layer.rows_known:
+                row_start = cache_layer.row_start
+            else:
+                cache_layer.set_row_start(row_start)
+        padding_mask = cache_layer.key_columns(padding_mask)
+        positions, decoding = cache_layer.key_positions, cache_layer.seen > q_len
+    call = AttentionCall(
+        causal=causal,
+        scaling=float(scaling if scaling is not None else query.shape[-1] ** -0.5),
+        padding_mask=padding_mask,
+        dropout=float(dropout),
+        training=module.training,
+        layer_idx=_layer_index(module),
+        extra=kwargs,
+        state=spec.setdefault("state", {}),
+        cache=cache_layer,
+        weights=module._modules.get(WEIGHTS_NAME),
+        positions=positions,
+        decoding=decoding,
+        row_start=row_start,
+        cross_attention=cross,
+    )
+    out = run_variant(variant, query, key, value, call)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def is_cross_attention(module: torch.nn.Module) -> bool:
+    """The module attends from one sequence to another (BERT's ``BertCrossAttention``, encoder-decoder models)."""
+    return bool(getattr(module, "is_cross_attention", False)) or "CrossAttention" in type(module).__name__
+
+
+def run_variant(
+    variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall
+) -> torch.Tensor:
+    """Check the call against what the variant supports, run its kernel (or FlexAttention, :mod:`zoo.ops.flex`),
+    zero padded query rows. ``k``/``v`` may have fewer (grouped) heads than ``q``.
+
+    Under cross-attention ``call.padding_mask`` covers the keys (the encoder's tokens), not the queries: no row is
+    zeroed, as transformers' own implementations do."""
+    if call.cross_attention and not variant.supports_cross_attention:
+        raise ValueError(
+            f"attention-zoo variant {variant.name!r} does not support cross-attention (query length {q.shape[-2]}, "
+            f"key length {k.shape[-2]}): its pattern is defined over positions of one sequence. Keep the "
+            "cross-attention layers on transformers' attention (attention-zoo replaces every layer's attention, so "
+            "use a model without add_cross_attention), or pick a variant that supports it (sdpa, dense)."
+        )
+    if call.causal and not call.decoding and q.shape[-2] < k.shape[-2]:  # a caller of its own (tests, hybrid)
+        call = dataclasses.replace(call, decoding=True)
+    if call.causal and not variant.supports_causal:
+        raise ValueError(f"attention-zoo variant {variant.name!r} does not support causal attention.")
+    if not call.causal and not variant.supports_bidirectional:
+        raise ValueError(f"attention-zoo variant {variant.name!r} supports causal attention only.")
+    if call.effective_dropout > 0 and not variant.supports_dropout:
+        raise ValueError(
+            f"attention-zoo variant {variant.name!r} does not support attention dropout (got p={call.dropout}). "
+            "Set the model's attention dropout to 0 (e.g. config.attention_probs_dropout_prob=0.0 for BERT, "
+            "attention_dropout=0.0 for Llama/ModernBERT)."
+        )
+    if flex.use_flex(variant, q, k, v, call):  # FlexAttention hook (zoo.ops.flex): GQA keys stay unexpanded
+        out = flex.attend(variant, q, k, v, call)
+    else:
+        out = variant.attend(q, *expand_kv(k, v, q.shape[1]), call)
+    if call.padding_mask is not None and not call.cross_attention:
+        # the queries are the last keys (the new tokens when a cache holds earlier ones)
+        out = out.masked_fill(~call.padding_mask[:, None, -out.shape[-2] :, None], 0.0)
+    return out
