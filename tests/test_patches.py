@@ -189,6 +189,14 @@ def test_canary_accelerate_state_and_trainer_hooks_used_by_distributed():
         _fail(_use("Trainer.create_accelerator_and_postprocess"), "it no longer sets is_fsdp_enabled")
 
 
+def test_canary_trainer_writes_checkpoints_through_save_checkpoint():
+    parameters = list(inspect.signature(transformers.Trainer._save_checkpoint).parameters)
+    if parameters != ["self", "model", "trial"]:
+        _fail(_use("Trainer._save_checkpoint"), f"its parameters are now {parameters}")
+    if "self._save_checkpoint(" not in inspect.getsource(transformers.Trainer):
+        _fail(_use("Trainer._save_checkpoint"), "the training loop no longer saves checkpoints through it")
+
+
 def test_canary_message_names_the_version_and_the_file():
     use = _use("Cache.update")
     message = use.outdated("it changed")

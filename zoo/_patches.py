@@ -273,4 +273,6 @@ PRIVATE_USES = (
     PrivateUse("accelerate", "PartialState._shared_state / AcceleratorState._shared_state", "zoo/distributed.py"),
     PrivateUse("transformers", "Trainer.create_accelerator_and_postprocess / is_fsdp_enabled / "
                "TrainingArguments.fsdp_plugin_args", "zoo/distributed.py"),
+    PrivateUse("transformers", "Trainer._save_checkpoint(model, trial): the one place checkpoints are written "
+               "(overridden to name write failures and remove the partial folder)", "zoo/run_folder.py"),
 )
