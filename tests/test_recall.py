@@ -196,3 +196,11 @@ def test_bubble_chart_names_entries_in_a_legend_and_maps_areas_to_megabytes():
     assert ["sdpa", "longformer", "linear"] in texts  # overlapping bubbles stay identifiable
     assert any(all(t.endswith(" MB") for t in group) and len(group) >= 2 for group in texts)  # a size legend
     pyplot().close(fig)
+
+
+def test_report_header_names_the_seeds_each_task_ran():
+    from zoo.compare import markdown_report
+
+    cfg = {"launcher": None, "seeds": [42], "tasks": [{"name": "mqar", "seeds": [0, 1, 2]}, {"name": "listops"}]}
+    header = markdown_report(cfg, [], "c.yaml", 1.0)
+    assert "seeds: mqar [0, 1, 2], listops [42]" in header

@@ -297,10 +297,12 @@ def mean_loss_by_position(runs: list[list[dict]]) -> list[dict] | None:
 
 def markdown_report(cfg: dict, summary: list[dict], config_path: str, minutes: float) -> str:
     packages = ", ".join(f"{k} {v}" for k, v in package_versions().items())
+    seeds = {task["name"]: task.get("seeds") or cfg["seeds"] for task in cfg["tasks"]}  # a task may set its own
+    seeds_text = ", ".join(f"{name} {value}" for name, value in seeds.items())
     lines = [
         "# attention-zoo comparison",
         "",
-        f"Config `{config_path}`; launcher `{cfg['launcher'] or 'python (1 process)'}`; seeds {cfg['seeds']}; "
+        f"Config `{config_path}`; launcher `{cfg['launcher'] or 'python (1 process)'}`; seeds: {seeds_text}; "
         f"{minutes:.1f} minutes in all. Packages: {packages}.",
         "Metrics on each task's evaluation split (mean ± std over seeds); train tokens/s counts non-padding tokens "
         "over all processes; peak memory is the largest process's (CPU: max RSS; GPU: peak allocation).",
