@@ -50,7 +50,7 @@ class HybridAttention(Variant):
         if not self.layers:
             raise VariantParameterError(f"attention-zoo variant 'hybrid': `layers` is empty; give e.g. {EXAMPLE}.")
         entries = [self._entry(item) for item in self.layers]
-        self.config["layers"] = entries  # normalised, as saved in config.json
+        self.config.update(layers=entries)  # normalised, as saved in config.json
         self.parts = []
         for index, entry in enumerate(entries):
             try:
