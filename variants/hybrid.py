@@ -84,16 +84,7 @@ class HybridAttention(Variant):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         part = self.part(call.layer_idx)
-        where = f"in layer {call.layer_idx} of a 'hybrid'"
-        if call.causal and not part.supports_causal:
-            raise ValueError(f"attention-zoo variant {part.name!r} ({where}) does not support causal attention.")
-        if not call.causal and not part.supports_bidirectional:
-            raise ValueError(f"attention-zoo variant {part.name!r} ({where}) supports causal attention only.")
-        if call.effective_dropout > 0 and not part.supports_dropout:
-            raise ValueError(
-                f"attention-zoo variant {part.name!r} ({where}) does not support attention dropout (got "
-                f"p={call.dropout}). Set the model's attention dropout to 0, or use another variant in that layer."
-            )
+        part.check_call(call, where=f"in layer {call.layer_idx} of a 'hybrid'")
         return part.attend(q, k, v, call)
 
     def pattern(self, call: AttentionCall, q_len: int, kv_len: int) -> Pattern | None:

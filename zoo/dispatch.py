@@ -118,16 +118,7 @@ def run_variant(
         )
     if call.causal and not call.decoding and q.shape[-2] < k.shape[-2]:  # a caller of its own (tests, hybrid)
         call = dataclasses.replace(call, decoding=True)
-    if call.causal and not variant.supports_causal:
-        raise ValueError(f"attention-zoo variant {variant.name!r} does not support causal attention.")
-    if not call.causal and not variant.supports_bidirectional:
-        raise ValueError(f"attention-zoo variant {variant.name!r} supports causal attention only.")
-    if call.effective_dropout > 0 and not variant.supports_dropout:
-        raise ValueError(
-            f"attention-zoo variant {variant.name!r} does not support attention dropout (got p={call.dropout}). "
-            "Set the model's attention dropout to 0 (e.g. config.attention_probs_dropout_prob=0.0 for BERT, "
-            "attention_dropout=0.0 for Llama/ModernBERT)."
-        )
+    variant.check_call(call)
     if flex.use_flex(variant, q, k, v, call):  # FlexAttention hook (zoo.ops.flex): GQA keys stay unexpanded
         out = flex.attend(variant, q, k, v, call)
     else:

@@ -321,6 +321,21 @@ class Variant:
         ``pattern`` (e.g. ``linear``); tests only. A variant declares it by overriding it (:meth:`overrides`)."""
         raise NotImplementedError
 
+    def check_call(self, call: AttentionCall, where: str = "") -> None:
+        """Refuse a call this variant does not support (causal / bidirectional mode, attention dropout), naming the
+        variant, ``where`` it runs (e.g. a layer of a hybrid) and the fix."""
+        label = f"attention-zoo variant {self.name!r}" + (f" ({where})" if where else "")
+        if call.causal and not self.supports_causal:
+            raise ValueError(f"{label} does not support causal attention.")
+        if not call.causal and not self.supports_bidirectional:
+            raise ValueError(f"{label} supports causal attention only.")
+        if call.effective_dropout > 0 and not self.supports_dropout:
+            raise ValueError(
+                f"{label} does not support attention dropout (got p={call.dropout}). Set the model's attention "
+                "dropout to 0 (e.g. config.attention_probs_dropout_prob=0.0 for BERT, attention_dropout=0.0 for "
+                "Llama/ModernBERT)" + (", or use another variant there." if where else ".")
+            )
+
     @classmethod
     def overrides(cls, hook: str) -> bool:
         """True when this class overrides the optional hook ``hook`` of :class:`Variant` (e.g. ``"reference"``)."""
