@@ -75,3 +75,14 @@ def test_every_built_in_variant_reads_its_parameters_one_way():
             continue
         source = inspect.getsource(inspect.getmodule(cls))
         assert "self.config[" not in source, f"{cls.__module__}: read parameters as attributes"
+
+
+def test_a_pattern_only_variant_counts_its_flops_from_the_pattern_hints():
+    """dilated_prefix (plugin fixture) declares no flops(): the count comes from its pattern's key blocks."""
+    plugin = zoo.get_variant_class("dilated_prefix")
+    n, heads, dim = 4096, 12, 64
+    narrow, wide = plugin(window=64, dilation=2, prefix=4), plugin(window=256, dilation=2, prefix=4)
+    # reach 128 -> 2 blocks of 64 on each side + its own, plus the block holding the 4 prefix tokens: 6 key blocks
+    assert narrow.flops(n, heads, dim) == 4.0 * heads * dim * (n // 64) * 64 * 6 * 64
+    dense = zoo.get_variant_class("sdpa")().flops(n, heads, dim)
+    assert narrow.flops(n, heads, dim) < wide.flops(n, heads, dim) < dense

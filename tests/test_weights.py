@@ -49,13 +49,12 @@ class MixedValuesAttention(zoo.Variant):
         return softmax_attention(q, k, self.mixed(v, call), allowed, call.scaling)
 
 
-class HiddenStatesProbe(nn.Module):
+class HiddenStatesProbe(zoo.LayerWeights):
     needs_hidden_states = True
 
     def __init__(self, hidden: int):
         super().__init__()
         self.proj = nn.Linear(hidden, hidden)
-        self.hidden_states = None
         self.seen = []
 
 
@@ -245,3 +244,24 @@ def test_the_weights_check_fails_for_weights_the_kernel_ignores():
             contract.test_learned_weights_get_gradients_and_reload_identically("test_ignored_weights")
     finally:
         zoo.unregister_variant("test_ignored_weights")
+
+
+class UndeclaredProbe(nn.Module):  # names the hook without subclassing zoo.LayerWeights: it would never be called
+    needs_hidden_states = True
+
+
+class UndeclaredHooksAttention(zoo.Variant):
+    name = "test_undeclared_hooks"
+
+    def make_module(self, layer_idx, config, head_dim, num_heads):
+        return UndeclaredProbe()
+
+
+def test_weights_naming_a_hook_without_declaring_it_are_refused():
+    zoo.register_variant(UndeclaredHooksAttention)
+    try:
+        config = zoo.configure(transformers.BertConfig(**SMALL), "test_undeclared_hooks")
+        with pytest.raises(TypeError, match="needs_hidden_states but is not a zoo.LayerWeights"):
+            transformers.BertModel(config)
+    finally:
+        zoo.unregister_variant(UndeclaredHooksAttention.name)

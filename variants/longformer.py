@@ -55,7 +55,7 @@ from torch import nn
 from zoo.cache import WindowedLayer
 from zoo.ops import KeyPart, band_part, rows_attention, selected_attention, split_blocks, union_attention
 from zoo.pattern import Pattern, TokenSet, band, global_columns, global_rows, union
-from zoo.variant import AttentionCall, Param, Variant
+from zoo.variant import AttentionCall, LayerWeights, Param, Variant
 
 MAX_BLOCK = 128  # queries per block at the default window; tuned on CPU (64..256 run close)
 MIN_BLOCK = 16
@@ -337,7 +337,7 @@ def _with_global_rows(local, q, k, v, key_real, is_global, call, projections=Non
     return local.scatter(2, index, rows)
 
 
-class GlobalProjections(nn.Module):
+class GlobalProjections(LayerWeights):
     """One layer's ``query_global`` / ``key_global`` / ``value_global`` (hidden -> heads x head_dim, with bias),
     named as in transformers' ``LongformerSelfAttention``; applied to the attention module's input."""
 
@@ -350,7 +350,6 @@ class GlobalProjections(nn.Module):
         self.query_global = nn.Linear(hidden_size, num_heads * head_dim)
         self.key_global = nn.Linear(hidden_size, num_heads * head_dim)
         self.value_global = nn.Linear(hidden_size, num_heads * head_dim)
-        self.hidden_states: torch.Tensor | None = None
 
     def initialize_from(self, attention: nn.Module) -> None:
         """Start as copies of the layer's query/key/value projections (BERT/RoBERTa names, or Llama's q/k/v_proj

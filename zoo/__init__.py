@@ -19,13 +19,14 @@ from zoo.registry import (
     register_variant,
     unregister_variant,
 )
-from zoo.variant import AttentionCall, Param, Variant, VariantParameterError
+from zoo.variant import AttentionCall, LayerWeights, Param, Variant, VariantParameterError
 
 install()
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "LayerWeights",
     "IMPLEMENTATION",
     "AttentionCall",
     "BrokenVariantError",

@@ -108,6 +108,25 @@ def _type_name(t: type | tuple[type, ...]) -> str:
 _INSTANCE_MEMBERS = ("config",)  # set in Variant.__init__, not on the class
 
 
+class LayerWeights(torch.nn.Module):
+    """Base class of a variant's learned per-layer weights (what :meth:`Variant.make_module` returns), declaring the
+    two optional hooks the zoo calls (a plain ``nn.Module`` works too, without hooks):
+
+    * ``needs_hidden_states = True``: the attention module's input is in ``self.hidden_states`` during the call
+      (Longformer's global projections project the hidden states, not the layer's q/k/v);
+    * :meth:`initialize_from`: derive initial values from the layer's own weights, once they are final.
+    """
+
+    needs_hidden_states: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden_states: torch.Tensor | None = None
+
+    def initialize_from(self, attention: torch.nn.Module) -> None:
+        """Called (under no_grad) with the attention module; the default keeps the constructor's values."""
+
+
 @dataclass
 class AttentionCall:
     """Everything about one attention call except q/k/v.
@@ -277,8 +296,16 @@ class Variant:
     def flops(self, n: int, heads: int, head_dim: int, causal: bool = False) -> float:
         """Forward FLOPs of the attention core (QK^T and PV) at length n; the benchmark's GFLOP/s uses it.
 
-        The default counts dense attention; sparse and linear variants override it with their own cost.
+        The default: a variant that runs on the shared pattern kernel (no ``attend`` of its own) counts what its
+        pattern's block hints make that kernel compute (:func:`zoo.ops.patterned.pattern_flops`); any other counts
+        dense attention. Variants with kernels of their own override it with their kernel's cost.
         """
+        if not self.overrides("attend"):
+            pattern = self.pattern(AttentionCall(causal=causal, scaling=1.0), n, n)
+            if pattern is not None and pattern.key_blocks is not None:
+                from zoo.ops.patterned import pattern_flops  # zoo.ops imports this module
+
+                return pattern_flops(pattern, n, heads, head_dim)
         return 4.0 * n * n * heads * head_dim * (0.5 if causal else 1.0)
 
     def make_module(self, layer_idx: int, config: Any, head_dim: int, num_heads: int) -> torch.nn.Module | None:
@@ -289,10 +316,10 @@ class Variant:
         so it trains, saves and loads with the model, and reaches the kernel as ``call.weights``. Initialise it in
         its constructor (PyTorch's default init, or your own): the zoo seeds the random generator per layer, so the
         values are deterministic -- a checkpoint without them gets the same ones. ``config`` is the model's
-        transformers config (e.g. ``config.max_position_embeddings``, ``config.hidden_size``). A module that sets
-        ``needs_hidden_states = True`` finds the attention module's input in ``.hidden_states`` during the call;
-        one with an ``initialize_from(attention_module)`` method may then derive its values from the layer's own
-        weights (called once the layer's weights are final, also for a checkpoint that lacks the variant's).
+        transformers config (e.g. ``config.max_position_embeddings``, ``config.hidden_size``). A
+        :class:`LayerWeights` subclass declares the optional hooks: ``needs_hidden_states = True`` finds the attention
+        module's input in ``.hidden_states`` during the call; ``initialize_from(attention_module)`` derives its values
+        from the layer's own weights (called once they are final, also for a checkpoint that lacks the variant's).
         """
         return None
 

@@ -27,11 +27,12 @@ import torch
 from torch import nn
 
 from zoo import _patches
-from zoo.variant import Variant
+from zoo.variant import LayerWeights, Variant
 
 logger = logging.getLogger(__name__)
 
 WEIGHTS_NAME = "attention_zoo"
+HOOKED = "_attention_zoo_hooks"  # set on an attention module once its hidden-states hooks are registered
 # transformers reports missing keys matching these as "newly initialized"; we report ours in one line instead.
 MISSING_KEYS_PATTERN = rf"\.{WEIGHTS_NAME}\."
 
@@ -134,29 +135,41 @@ def attach(model: nn.Module, variant_of, replace: bool = False) -> int:
         weights = build_for(variant, module, idx, device)
         if weights is None:
             continue
+        _check_declared_hooks(variant, weights)
         if reference is not None:
             weights = weights.to(device=device, dtype=reference.dtype if reference.is_floating_point() else None)
         if device.type != "meta":
             _initialize_from(weights, module)
         _patches.mark_initialized(weights)  # transformers' own init must not redraw them (see initialize_missing)
         module.add_module(WEIGHTS_NAME, weights)
-        if getattr(weights, "needs_hidden_states", False) and not getattr(module, "_attention_zoo_hooks", False):
+        if isinstance(weights, LayerWeights) and weights.needs_hidden_states and not hasattr(module, HOOKED):
             module.register_forward_pre_hook(_keep_hidden_states, with_kwargs=True)
             module.register_forward_hook(_drop_hidden_states, always_call=True)
-            module._attention_zoo_hooks = True
+            setattr(module, HOOKED, True)
         made += 1
     if made:
         _patches.ignore_missing_keys(model, MISSING_KEYS_PATTERN)
     return made
 
 
+def _check_declared_hooks(variant, weights: nn.Module) -> None:
+    """The hooks are declared by subclassing :class:`zoo.LayerWeights`; a plain module that names them would silently
+    not get them (no hidden states, no derived values), so it is refused."""
+    named = [hook for hook in ("needs_hidden_states", "initialize_from") if hook in dir(weights)]
+    if named and not isinstance(weights, LayerWeights):
+        raise TypeError(
+            f"attention-zoo variant {variant.name!r}: make_module returned a {type(weights).__name__} that defines "
+            f"{' and '.join(named)} but is not a zoo.LayerWeights, so the zoo would not call it. Subclass "
+            "zoo.LayerWeights (from zoo import LayerWeights) instead of torch.nn.Module."
+        )
+
+
 def _initialize_from(weights: nn.Module, module: nn.Module) -> None:
-    """Weights that define ``initialize_from(attention_module)`` derive their initial values from the layer's own
-    (e.g. Longformer's global projections start as copies of the local q/k/v, as in the paper's conversion)."""
-    initialize_from = getattr(weights, "initialize_from", None)
-    if initialize_from is not None:
+    """:meth:`zoo.LayerWeights.initialize_from`: initial values derived from the layer's own (e.g. Longformer's
+    global projections start as copies of the local q/k/v, as in the paper's conversion)."""
+    if isinstance(weights, LayerWeights):
         with torch.no_grad():
-            initialize_from(module)
+            weights.initialize_from(module)
 
 
 def _keep_hidden_states(module: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -15,7 +15,7 @@ import transformers
 from torch import nn
 
 from zoo.dispatch import run_variant
-from zoo.variant import AttentionCall, Variant
+from zoo.variant import AttentionCall, LayerWeights, Variant
 from zoo.weights import WEIGHTS_NAME, build
 
 # A pattern in the Variant.pattern style: (call, q_len, kv_len) -> index predicate or None (= every key).
@@ -101,7 +101,7 @@ class ZooAttentionLayer(nn.Module):
             hidden_size=proj.heads * proj.head_dim, num_attention_heads=proj.heads, max_position_embeddings=n
         )
         weights = build(variant, 0, config, proj.head_dim, proj.heads)
-        if weights is not None and hasattr(weights, "initialize_from"):  # e.g. from the query/key/value projections
+        if isinstance(weights, LayerWeights):  # e.g. from the query/key/value projections
             with torch.no_grad():
                 weights.initialize_from(proj)
         self.add_module(WEIGHTS_NAME, weights)
@@ -118,7 +118,7 @@ class ZooAttentionLayer(nn.Module):
         call = AttentionCall(
             causal=self.causal, scaling=q.shape[-1] ** -0.5, dropout=dropout, training=self.training, weights=weights
         )
-        if not getattr(weights, "needs_hidden_states", False):
+        if not (isinstance(weights, LayerWeights) and weights.needs_hidden_states):
             return merge_heads(run_variant(self.variant, q, k, v, call))
         weights.hidden_states = x  # as zoo.weights hands them over inside a model, and drops them after the call
         try:

@@ -50,6 +50,15 @@ def pattern_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: A
     return out.view(batch, heads, groups * block, -1)[:, :, :n]
 
 
+def pattern_flops(pattern: Pattern, n: int, heads: int, head_dim: int) -> float:
+    """Forward FLOPs (QK^T and PV) :func:`pattern_attention` computes at length n: every query block scores every key
+    block its hint names (masked entries included, as the chunked kernel computes them)."""
+    block = pattern.block_size
+    groups = -(-n // block)
+    slots = pattern.key_blocks(torch.arange(groups)).shape[-1]
+    return 4.0 * heads * head_dim * groups * block * slots * block
+
+
 def _distinct_in_range(key_blocks: torch.Tensor, groups: int) -> torch.Tensor:
     """(G, R) bool: the slot names a block inside the sequence that no earlier slot of its row names."""
     inside = (key_blocks >= 0) & (key_blocks < groups)

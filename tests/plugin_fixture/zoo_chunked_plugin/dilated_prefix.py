@@ -1,5 +1,6 @@
 """``dilated_prefix``: a dilated sliding window plus the first ``prefix`` real tokens of each row, declared only as a
-pattern with block hints -- no kernel: the zoo runs it on its chunked kernels and decodes with the derived cache."""
+pattern with block hints -- no kernel: the zoo runs it on its chunked kernels, decodes with the derived cache and
+counts its FLOPs from the same hints."""
 
 from zoo import AttentionCall, Param, Variant
 from zoo.pattern import Pattern, TokenSet, band, band_key_blocks, global_columns, or_masks
@@ -25,7 +26,3 @@ class DilatedPrefixAttention(Variant):
         rule = or_masks(band(reach, self.dilation), global_columns(prefix))
         return Pattern(rule, reach=reach, sinks=prefix, block_size=BLOCK,
                        key_blocks=band_key_blocks(reach, BLOCK, prefix))
-
-    def flops(self, n: int, heads: int, head_dim: int, causal: bool = False) -> float:
-        keys = min(n, 2 * self.window + 1 + self.prefix)
-        return 4.0 * n * keys * heads * head_dim * (0.5 if causal else 1.0)
