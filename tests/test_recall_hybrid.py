@@ -12,6 +12,7 @@ from transformers.cache_utils import DynamicLayer
 import zoo
 from zoo.cache import RecurrentLayer, WindowedLayer
 from zoo.testing import assert_reloads_identically
+from zoo.variant import AttentionCall
 
 LAYERS = [
     {"variant": "linear", "params": {"chunk_size": 8}},
@@ -101,9 +102,12 @@ def test_bad_layer_entries_are_named(layers, message):
 
 
 def test_a_layer_without_causal_support_is_refused_in_a_decoder():
-    model = _model([{"variant": "linformer", "params": {"k": 8}}], num_hidden_layers=1)
-    with pytest.raises(ValueError, match="linformer.*layer 0.*causal"):
-        model(torch.randint(3, 64, (1, 16)))
+    with pytest.raises(ValueError, match="'hybrid' does not support causal attention"):  # at configure time
+        _model([{"variant": "linformer", "params": {"k": 8}}], num_hidden_layers=1)
+    hybrid = zoo.get_variant_class("hybrid")(layers=[{"variant": "linformer", "params": {"k": 8}}])
+    call = AttentionCall(causal=True, scaling=1.0)
+    with pytest.raises(ValueError, match="linformer.*layer 0.*causal"):  # and per layer, for direct callers
+        hybrid.attend(*torch.randn(3, 1, 2, 16, 8), call)
 
 
 def test_listed_by_zoo_list():

@@ -59,6 +59,10 @@ class HybridAttention(Variant):
                 raise VariantParameterError(f"attention-zoo variant 'hybrid', layer entry {index}: {exc}") from exc
             self.parts.append(cls(**entry["params"]))
         self.exact = all(part.exact for part in self.parts)
+        # what every layer supports: zoo.configure refuses a decoder whose layers are not all causal, up front
+        self.supports_causal = all(part.supports_causal for part in self.parts)
+        self.supports_bidirectional = all(part.supports_bidirectional for part in self.parts)
+        self.supports_dropout = all(part.supports_dropout for part in self.parts)
         bounds = [part.error_bound for part in self.parts if not part.exact]
         self.error_bound = max(bounds) if bounds else None
 

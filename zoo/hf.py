@@ -60,9 +60,8 @@ def configure(target: PretrainedConfig | PreTrainedModel, name: str, **params: A
     if not isinstance(config, PretrainedConfig):
         raise TypeError(f"zoo.configure expects a transformers config or model, got {type(target).__name__}")
     _check_model_supported(config, model)
-    cls = get_variant_class(name)
-    variant = cls(**params)
-    if is_decoder_only(config) and not cls.supports_causal:
+    variant = get_variant_class(name)(**params)
+    if is_decoder_only(config) and not variant.supports_causal:  # an instance may refine it (a hybrid's layers)
         raise ValueError(
             f"attention-zoo variant {name!r} does not support causal attention, but {config.model_type!r} is a "
             f"causal decoder. Pick a variant with causal support (see `zoo list`)."
