@@ -112,3 +112,14 @@ def test_a_layer_without_causal_support_is_refused_in_a_decoder():
 
 def test_listed_by_zoo_list():
     assert "hybrid" in zoo.list_variants()
+
+
+def test_a_hybrid_with_a_reformer_layer_has_ddp_look_for_unused_parameters():
+    from zoo import train
+
+    def cfg(layers):
+        return train.FinetuneConfig(task="listops", output_dir="unused", model_config={"model_type": "bert"},
+                                    variant="hybrid", variant_params={"layers": layers})
+
+    assert train.find_unused_parameters(cfg(["sdpa", "reformer"]))  # reformer's key projection gets no gradient
+    assert not train.find_unused_parameters(cfg(["sdpa", "linear"]))

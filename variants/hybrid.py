@@ -63,6 +63,7 @@ class HybridAttention(Variant):
         self.supports_causal = all(part.supports_causal for part in self.parts)
         self.supports_bidirectional = all(part.supports_bidirectional for part in self.parts)
         self.supports_dropout = all(part.supports_dropout for part in self.parts)
+        self.trains_every_parameter = all(part.trains_every_parameter for part in self.parts)  # DDP (zoo.train)
         bounds = [part.error_bound for part in self.parts if not part.exact]
         self.error_bound = max(bounds) if bounds else None
 

@@ -210,7 +210,7 @@ def find_unused_parameters(cfg: FinetuneConfig) -> bool:
     """Whether DDP must look for parameters without a gradient each step: only for a variant that leaves some unused
     by design (``Variant.trains_every_parameter``); the search costs a graph traversal per step, and without it such
     a variant fails at its second step ("Expected to have finished reduction in the prior iteration")."""
-    return not zoo.get_variant_class(cfg.variant).trains_every_parameter
+    return not zoo.get_variant_class(cfg.variant)(**cfg.variant_params).trains_every_parameter  # a hybrid: its layers'
 
 
 def training_arguments(cfg: FinetuneConfig) -> TrainingArguments:
