@@ -17,7 +17,7 @@ import torch
 from zoo.dispatch import run_variant
 from zoo.ops import allowed_mask, expand_kv, flex, softmax_attention
 from zoo.pattern import Pattern, band
-from zoo.testing import LargestAllocation, make_call, make_inputs, make_variant, reference
+from zoo.testing import LargestAllocation, make_call, make_inputs, make_variant, real_rows, reference
 from zoo.variant import Variant
 
 CASES = [
@@ -204,6 +204,22 @@ def test_compiled_flex_equals_the_chunked_kernel_without_recompiling_within_a_le
             graphs = counters["stats"]["unique_graphs"]
         torch.testing.assert_close(out, run(variant, q, k, v, call, "chunked"), atol=1e-5, rtol=1e-4)
     assert counters["stats"]["unique_graphs"] == graphs  # the second length reused the bucket's compilation
+
+
+@pytest.mark.slow
+def test_compiled_flex_follows_global_tokens_under_left_padding_and_per_row_marks():
+    """Global tokens run inside the compiled kernel: offsets counted from each row's first real token (left padding)
+    and a per-row ``global_attention_mask``; their predicate must trace (no tensor made inside the kernel)."""
+    q, k, v, mask = gqa_inputs(padding="left", n=200)
+    variant = make_variant("longformer", global_tokens=[0, 3])
+    marks = torch.zeros(2, 200, dtype=torch.long)
+    marks[0, 150] = marks[1, 120] = 1
+    for call in (make_call(True, mask, heads=HEADS),
+                 make_call(False, mask, heads=HEADS, extra={"global_attention_mask": marks})):
+        with torch.no_grad(), flex.attention_backend("flex"):
+            out = run_variant(variant, q, k, v, call)
+        want = reference(variant, q, *expand_kv(k, v, HEADS), call)
+        torch.testing.assert_close(real_rows(out, mask), real_rows(want, mask), atol=1e-5, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -121,23 +121,25 @@ class TokenSet:
         return last
 
     def __call__(self, b, idx):
-        member = torch.zeros_like(torch.as_tensor(idx), dtype=torch.bool)
+        """Traceable by torch.compile (FlexAttention runs it inside its kernel): comparisons and 1-D lookups in the
+        captured tensors only, no tensor made inside (``torch.tensor``/``isin`` fail to compile there)."""
+        idx = torch.as_tensor(idx)
+        member = idx < 0  # all False, shaped like idx
         if self.offsets:
-            rank = idx if self.row_start is None else idx - self.row_start[_rows(self.row_start, b)]
-            wanted = torch.tensor(self.offsets, dtype=rank.dtype, device=rank.device)
-            member = torch.isin(rank, wanted)
+            rank = idx if self.row_start is None else idx - self.row_start[_row(self.row_start, b)]
+            for offset in self.offsets:
+                member = member | (rank == offset)
         if self.marked is not None:
-            marked = self.marked.to(torch.as_tensor(idx).device)
-            inside = idx < marked.shape[-1]
-            member = member | (marked[_rows(marked, b), idx.clamp(max=marked.shape[-1] - 1)] & inside)
+            length = self.marked.shape[-1]
+            marked = self.marked.to(idx.device).flatten()  # flat: 2-D lookups do not compile on CPU (torch 2.13)
+            inside = idx < length
+            member = member | (marked[_row(self.marked, b) * length + idx.clamp(max=length - 1)] & inside)
         return member
 
 
-def _rows(per_row: torch.Tensor, b):
+def _row(per_row: torch.Tensor, b):
     """The row index into ``per_row`` (B|1, ...) for batch index ``b`` (a tensor, or None outside a batch)."""
-    if per_row.shape[0] == 1 or b is None:
-        return torch.zeros((), dtype=torch.long, device=per_row.device) if b is None else torch.zeros_like(b)
-    return b
+    return 0 if per_row.shape[0] == 1 or b is None else b
 
 
 def global_rows(tokens: TokenSet) -> MaskMod:

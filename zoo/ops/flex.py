@@ -24,7 +24,8 @@ Masks are cached per (pattern identity, causality, padding, shape, device): laye
 Compilation: dynamic shapes on CUDA (no recompilation for a new length); on CPU static, per length bucket
 (:func:`bucket_length`: 2^k or 1.5 * 2^k tokens, the padding hidden by the mask), so ``generate`` on prompts of
 varying length compiles a few times, not once per prompt (on CPU a pattern that captures a tensor of n entries,
-as ``longformer`` with global tokens does, still compiles once per length: the kernel specializes on its shape).
+as ``longformer`` with a per-row ``global_attention_mask`` does, still compiles once per length: the kernel
+specializes on its shape; fixed global offsets capture only one start per row).
 """
 
 from __future__ import annotations
