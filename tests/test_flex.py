@@ -26,6 +26,7 @@ CASES = [
     ("sparse_transformer", {"layout": "strided"}),
     ("sparse_transformer", {"layout": "fixed"}),
     ("xformers", {}),  # test_params: window 16
+    ("dilated_prefix", {}),  # the plugin fixture: a pattern and no kernel of its own (test_params: window 5, prefix 3)
 ]
 CASE_IDS = [f"{name}-{'-'.join(map(str, p.values())) or 'default'}" for name, p in CASES]
 HEADS, KV_HEADS = 4, 2
