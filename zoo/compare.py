@@ -10,6 +10,8 @@ tokens/s, bubble area = peak memory, as in the LRA paper's figure) and
 brown_lm) report eval loss, perplexity, loss by token position and decode tokens/s instead of accuracy: the
 charts are ``lra_<task>.png`` with perplexity, ``perplexity_<task>.png`` and ``loss_by_position_<task>.png``
 (mean loss per position bucket, one line per variant: the lower the late buckets, the more far context is used).
+Every task also gets ``training_loss_<task>.png`` (training loss against step, mean over seeds), read from each
+run's ``train_log.jsonl``: whether an entry at chance was still learning when its budget ran out.
 
 Config keys::
 
@@ -250,6 +252,7 @@ def row_for(run: Run, outcome: Outcome) -> dict[str, Any]:
     row.update({key: results.get("metrics", {}).get(key) for key in METRIC_COLUMNS})
     row.update({key: results.get(key) for key in SPEED_COLUMNS})
     row["loss_by_position"] = results.get("loss_by_position")
+    row["training_loss"] = training_loss(run.run_dir)
     if run.kind == "recall":
         row.update({key: results.get(key) for key in RECALL_COLUMNS})
     row.update({"num_processes": results.get("num_processes"), "run_dir": str(run.run_dir)})
@@ -277,6 +280,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             if key in METRIC_COLUMNS:
                 entry[f"{key}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0 if values else None
         entry["loss_by_position"] = mean_loss_by_position([r["loss_by_position"] for r in done])
+        entry["training_loss"] = mean_training_loss([r["training_loss"] for r in done])
         if first["kind"] == "recall":
             entry.update(recall.summary_fields(done))
         summary.append(entry)
@@ -293,6 +297,25 @@ def mean_loss_by_position(runs: list[list[dict]]) -> list[dict] | None:
         losses = [b["loss"] for b in buckets if b["loss"] is not None]
         merged.append({**buckets[0], "loss": statistics.fmean(losses) if losses else None})
     return merged
+
+
+def training_loss(run_dir: Path) -> list[tuple[int, float]]:
+    """(step, training loss) at each logging step, from the run's ``train_log.jsonl`` (:class:`zoo.results.JsonlLog`;
+    empty when the run logged none). The curve says whether a run that scores at chance was still learning."""
+    log = Path(run_dir) / "train_log.jsonl"
+    if not log.is_file():
+        return []
+    records = (json.loads(line) for line in log.read_text().splitlines() if line.strip())
+    return [(r["step"], float(r["loss"])) for r in records if "loss" in r and "step" in r]
+
+
+def mean_training_loss(runs: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """The seeds' mean training loss at the steps every seed logged."""
+    runs = [dict(curve) for curve in runs if curve]
+    if not runs:
+        return []
+    steps = sorted(set.intersection(*(set(curve) for curve in runs)))
+    return [(step, statistics.fmean(curve[step] for curve in runs)) for step in steps]
 
 
 def markdown_report(cfg: dict, summary: list[dict], config_path: str, minutes: float) -> str:
@@ -319,6 +342,8 @@ def markdown_report(cfg: dict, summary: list[dict], config_path: str, minutes: f
         lines += ["", f"![LRA-style chart]({plot_name('lra', task)})", f"![{label}]({plot_name(label, task)})"]
         if rows[0]["kind"] == "lm":
             lines.append(f"![loss by position]({plot_name('loss_by_position', task)})")
+        if any(r["training_loss"] for r in rows):
+            lines.append(f"![training loss]({plot_name('training_loss', task)})")
         if rows[0]["kind"] == "recall":
             lines.append(f"![recall vs decoding state]({plot_name('frontier', task)})")
             lines.append(f"![accuracy by distance]({plot_name('accuracy_by_distance', task)})")
@@ -403,6 +428,8 @@ def write_plots(summary: list[dict], out: Path) -> None:
         save_figure(fig, out / plot_name(label, task))
         if rows[0]["kind"] == "lm":
             plot_loss_by_position(plt, task, rows, out)
+        if any(r["training_loss"] for r in rows):
+            plot_training_loss(plt, task, rows, out)
         if rows[0]["kind"] == "recall":
             recall.plot_frontier(plt, task, rows, out / plot_name("frontier", task))
             recall.plot_by_distance(plt, task, rows, out / plot_name("accuracy_by_distance", task))
@@ -446,10 +473,23 @@ def plot_loss_by_position(plt, task: str, rows: list[dict], out: Path) -> None:
     save_figure(fig, out / plot_name("loss_by_position", task))
 
 
+def plot_training_loss(plt, task: str, rows: list[dict], out: Path) -> None:
+    """Training loss against step, one line per entry (mean over its seeds)."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        if r["training_loss"]:
+            steps, losses = zip(*r["training_loss"], strict=True)
+            ax.plot(steps, losses, marker=".", label=r["name"])
+    ax.set(xlabel="optimizer step", ylabel="training loss (nats, mean over seeds)", title=f"{task}: training loss")
+    ax.legend(fontsize=8)
+    save_figure(fig, out / plot_name("training_loss", task))
+
+
 def csv_row(row: dict) -> dict:
-    """Nested values as JSON text: variant_params, loss_by_position ({bucket: loss})."""
+    """Nested values as JSON text: variant_params, loss_by_position ({bucket: loss}), training_loss ([[step, loss]])."""
     by_position = {b["bucket"]: b["loss"] for b in row["loss_by_position"] or []}
-    nested = {"variant_params": json.dumps(row["variant_params"]), "loss_by_position": json.dumps(by_position)}
+    nested = {"variant_params": json.dumps(row["variant_params"]), "loss_by_position": json.dumps(by_position),
+              "training_loss": json.dumps(row.get("training_loss") or [])}
     if "accuracy_by_distance" in row:
         by_distance = {b["bucket"]: b["accuracy"] for b in row["accuracy_by_distance"] or []}
         nested["accuracy_by_distance"] = json.dumps(by_distance)
