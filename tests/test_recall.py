@@ -157,6 +157,23 @@ def test_passkey_test_depths_cycle_and_text_is_held_out(keys):
     assert again["train"]["input_ids"] == keys["train"]["input_ids"]
 
 
+def test_passkey_mixes_train_lengths_and_tests_at_the_full_context():
+    from zoo.data import passkey
+
+    mixed = passkey.build(context_length=256, num_train_examples=40, num_validation_examples=4, num_test_examples=5,
+                          min_train_context_length=128)
+    lengths = [len(ids) for ids in mixed["train"]["input_ids"]]
+    assert min(lengths) >= 128 and max(lengths) <= 256 and len(set(lengths)) > 10
+    assert {len(ids) for split in ("validation", "test") for ids in mixed[split]["input_ids"]} == {256}
+    for row in mixed["train"]:  # every length keeps the answer at its end, pointing back at the needle
+        ids, labels, distance = row["input_ids"], row["labels"], row["distance"]
+        answer = list(range(len(ids) - 5, len(ids)))
+        assert [p for p, label in enumerate(labels) if label != recall.IGNORE_INDEX] == answer
+        assert all(ids[p - distance[p]] == ids[p] for p in answer)
+    with pytest.raises(ValueError, match="min_train_context_length=512 must lie in"):
+        passkey.build(context_length=256, min_train_context_length=512)
+
+
 def test_report_table_names_hybrid_layers_and_drops_empty_buckets():
     buckets = [
         {"bucket": "[1,2)", "start": 1, "end": 2, "answers": 0, "accuracy": None, "std": None, "seeds": 0},

@@ -10,9 +10,12 @@ train, and a digit is always one token)::
 
 Labels are the key's digits at the end (-100 elsewhere), ``distance`` how far each answer digit stands after the
 same digit in the needle. ``depth`` (0 = the needle opens the text, 1 = it ends it) is drawn uniformly for training;
-the test split cycles through ``test_depths``. Filler is taken at random offsets of the training books for the train
-and validation splits, and of the held-out books (:data:`zoo.data.gutenberg.LM_TEST_BOOKS`) for the test split, so no
-test text was seen in training.
+the test split cycles through ``test_depths``. ``min_train_context_length`` mixes lengths in training: each train
+example is drawn uniformly from [min_train_context_length, context_length] tokens (validation and test stay at
+``context_length``), so a small model learns the lookup on short texts, where the signal is dense, and is tested on
+long ones (the length curriculum of landmark attention and LongLoRA, in one stage). Filler is taken at random offsets
+of the training books for the train and validation splits, and of the held-out books
+(:data:`zoo.data.gutenberg.LM_TEST_BOOKS`) for the test split, so no test text was seen in training.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ SOURCE = f"{gutenberg.SOURCE} (passkey retrieval, generated locally)"
 VOCAB_SIZE = 256  # bytes
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = " What is the pass key? The pass key is "
+MIN_FILLER = 16  # filler bytes at least in a shortened training example
 SPLIT_STREAMS = {"train": 0, "validation": 1, "test": 2}
 
 
@@ -80,6 +84,7 @@ def build(
     num_validation_examples: int = 50,
     num_test_examples: int = 250,
     seed: int = 0,
+    min_train_context_length: int | None = None,
 ) -> datasets.DatasetDict:
     """DatasetDict (train / validation / test) of ``input_ids``, ``labels``, ``distance``, ``depth``."""
     overhead = len(encode(NEEDLE.format(key="0" * key_digits) + QUESTION)) + key_digits
@@ -87,6 +92,12 @@ def build(
         raise ValueError(
             f"passkey: context_length={context_length} must be at least {2 * overhead} (twice the needle, question "
             f"and answer) and key_digits={key_digits} in [1, 20]."
+        )
+    shortest = context_length if min_train_context_length is None else min_train_context_length
+    if not overhead + MIN_FILLER <= shortest <= context_length:
+        raise ValueError(
+            f"passkey: min_train_context_length={min_train_context_length} must lie in [{overhead + MIN_FILLER}, "
+            f"context_length={context_length}] (the needle, question and answer and {MIN_FILLER} filler bytes)."
         )
     if not test_depths or any(not 0 <= d <= 1 for d in test_depths):
         raise ValueError(f"passkey: test_depths={list(test_depths)} must be depths in [0, 1] (0: start, 1: end).")
@@ -99,7 +110,10 @@ def build(
         rows: dict[str, list] = {"input_ids": [], "labels": [], "distance": [], "depth": []}
         for i in range(sizes[split]):
             depth = float(test_depths[i % len(test_depths)]) if split == "test" else float(rng.random())
-            ids, labels, distance = example(rng, books, context_length, key_digits, depth)
+            length = context_length
+            if split == "train" and shortest < context_length:
+                length = int(rng.integers(shortest, context_length + 1))
+            ids, labels, distance = example(rng, books, length, key_digits, depth)
             for column, value in zip(rows, (ids, labels, distance, depth), strict=True):
                 rows[column].append(value)
         splits[split] = datasets.Dataset.from_dict(rows)
