@@ -102,15 +102,28 @@ def test_metrics_refuse_predictions_out_of_order(small):
         recall.RecallAccuracy(small["test"])(EvalPrediction(predictions=labels, label_ids=labels[::-1]))
 
 
+def test_in_context_guess_is_one_over_each_sequences_distinct_answers(small):
+    labels = np.full((2, 6), recall.IGNORE_INDEX)
+    labels[0, [1, 3, 5]] = [40, 41, 42]  # three distinct answers: a blind pick among them hits 1/3
+    labels[1, [2, 4]] = [40, 40]  # one distinct answer: a pick always hits
+    example = {"labels": labels.tolist(), "distance": np.where(labels >= 0, 2, -1).tolist()}
+    metrics = recall.RecallAccuracy(example)(EvalPrediction(predictions=labels, label_ids=labels))
+    assert metrics["guess_accuracy"] == pytest.approx((3 * (1 / 3) + 2 * 1) / 5)
+    test = small["test"]  # MQAR: every key queried once, values distinct per sequence -> 1 / pairs
+    test_labels = np.asarray(test["labels"])
+    metrics = recall.RecallAccuracy(test)(EvalPrediction(predictions=test_labels, label_ids=test_labels))
+    assert metrics["guess_accuracy"] == pytest.approx(1 / SMALL["num_kv_pairs"], abs=0.05)
+
+
 def test_predicted_tokens_are_the_previous_positions_argmax():
     logits = torch.zeros(1, 3, 5)
     logits[0, 0, 4] = logits[0, 1, 2] = 1
     assert recall.predicted_tokens(logits, None).tolist() == [[recall.IGNORE_INDEX, 4, 2]]
 
 
-def _entry(name, accuracy, std, seeds, majority=0.01, answers=1000):
+def _entry(name, accuracy, std, seeds, majority=0.01, answers=1000, guess=0.25):
     return {"name": name, "eval_accuracy": accuracy, "eval_accuracy_std": std, "seeds_ok": seeds,
-            "majority_accuracy": majority, "answers": answers}  # fmt: skip
+            "majority_accuracy": majority, "guess_accuracy": guess, "answers": answers}  # fmt: skip
 
 
 def test_report_notes_chance_single_seed_and_spread():
@@ -119,6 +132,8 @@ def test_report_notes_chance_single_seed_and_spread():
     assert recall.trust_notes(_entry("far", 0.50, 0.01, 3), best) == []
     assert recall.trust_notes(_entry("chance", 0.012, 0.001, 3), best)[0].startswith("at chance")
     assert "1 seed" in recall.trust_notes(_entry("one", 0.5, None, 1), best)[0]
+    assert recall.trust_notes(_entry("bag", 0.257, 0.007, 3), best)[0].startswith("at the in-context guess (0.250")
+    assert recall.trust_notes(_entry("bound", 0.33, 0.01, 3), best) == []  # 0.33 is past 0.25 + 3 standard errors
     assert recall.accuracy_cell(0.5, None, 1) == "0.500 (1 seed)"
     assert recall.accuracy_cell(0.5, 0.1, 3) == "0.500 ± 0.100"
 

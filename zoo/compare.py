@@ -68,7 +68,9 @@ SPEED_COLUMNS = (
 FAILED = ("failed", "timeout")  # statuses that make the command exit non-zero (after writing the report)
 HEADLINE = {"classification": ("eval_accuracy", "accuracy"), "lm": ("eval_perplexity", "perplexity"),
             "recall": ("eval_accuracy", "accuracy")}
-RECALL_COLUMNS = ("decoding_state_bytes", "majority_accuracy", "answers", "accuracy_by_distance")  # recall tasks
+RECALL_COLUMNS = (  # recall tasks
+    "decoding_state_bytes", "majority_accuracy", "guess_accuracy", "answers", "accuracy_by_distance"
+)
 
 
 @dataclass

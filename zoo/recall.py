@@ -42,7 +42,9 @@ def predicted_tokens(logits, labels: torch.Tensor) -> torch.Tensor:
 
 class RecallAccuracy:
     """compute_metrics for Trainer: accuracy over the answer tokens, the majority answer's share (the accuracy of
-    always giving the most frequent answer) and accuracy per distance bucket (kept in ``by_distance``).
+    always giving the most frequent answer), the in-context guess (the accuracy of knowing which answers a sequence
+    holds but not which query each belongs to: 1 / its distinct answers, e.g. 1/4 with 4 MQAR pairs) and accuracy per
+    distance bucket (kept in ``by_distance``).
 
     The distances come from the evaluation examples themselves; Trainer gathers predictions in dataset order,
     which is checked against the examples' labels (a mismatch is an error, never a misattributed bucket).
@@ -70,9 +72,12 @@ class RecallAccuracy:
             count = int(in_bucket.sum())
             self.by_distance.append({"bucket": f"[{start},{end})", "start": start, "end": end, "answers": count,
                                      "accuracy": float(correct[in_bucket].mean()) if count else None})  # fmt: skip
+        distinct = np.array([len(np.unique(row[mask])) for row, mask in zip(labels, answer, strict=True)])
+        guessed = (answer.sum(-1) / np.maximum(distinct, 1)).sum()  # expected hits of a uniform pick per sequence
         return {
             "accuracy": float(correct.sum() / answer.sum()),
             "majority_accuracy": float(counts.max() / answer.sum()),
+            "guess_accuracy": float(guessed / answer.sum()),
             "answers": int(answer.sum()),
         }
 
@@ -97,6 +102,7 @@ def outcome(out: Path, computer: RecallAccuracy, metrics: dict, eval_examples) -
     return {
         "metrics": {key: float(metrics[key]) for key in ("eval_accuracy", "eval_loss")},
         "majority_accuracy": float(metrics["eval_majority_accuracy"]),
+        "guess_accuracy": float(metrics["eval_guess_accuracy"]),
         "answers": int(metrics["eval_answers"]),
         "accuracy_by_distance": computer.by_distance,
         "decoding_state_bytes": decoding_state_bytes(model, eval_examples[0]["input_ids"]),
@@ -112,6 +118,7 @@ def summary_fields(done: list[dict]) -> dict:
     """Recall fields of one comparison entry from its finished seeds' rows: means, and stds by bucket."""
     fields = {"decoding_state_bytes": _mean([r.get("decoding_state_bytes") for r in done]),
               "majority_accuracy": _mean([r.get("majority_accuracy") for r in done]),
+              "guess_accuracy": _mean([r.get("guess_accuracy") for r in done]),
               "answers": _mean([r.get("answers") for r in done])}  # fmt: skip
     runs = [r["accuracy_by_distance"] for r in done if r.get("accuracy_by_distance")]
     fields["accuracy_by_distance"] = None
@@ -133,12 +140,14 @@ def _std(values: list) -> float | None:
     return statistics.stdev(values) if len(values) > 1 else None
 
 
-def at_chance(row: dict) -> bool:
-    """Mean accuracy within CHANCE_SIGMAS binomial standard errors of always giving the most frequent answer."""
-    accuracy, majority, answers = row.get("eval_accuracy"), row.get("majority_accuracy"), row.get("answers")
-    if accuracy is None or majority is None or not answers:
+def at_chance(row: dict, baseline: str = "majority_accuracy") -> bool:
+    """Mean accuracy within CHANCE_SIGMAS binomial standard errors of a baseline's accuracy (or below it): always
+    giving the most frequent answer (``majority_accuracy``), or guessing among the sequence's own answers
+    (``guess_accuracy``)."""
+    accuracy, level, answers = row.get("eval_accuracy"), row.get(baseline), row.get("answers")
+    if accuracy is None or level is None or not answers:
         return False
-    return accuracy <= majority + CHANCE_SIGMAS * math.sqrt(majority * (1 - majority) / answers)
+    return accuracy <= level + CHANCE_SIGMAS * math.sqrt(level * (1 - level) / answers)
 
 
 def accuracy_cell(mean: float | None, std: float | None, seeds: int) -> str:
@@ -153,6 +162,9 @@ def trust_notes(row: dict, best: dict | None) -> list[str]:
     notes = []
     if at_chance(row):
         notes.append(f"at chance (majority answer {row['majority_accuracy']:.3f})")
+    elif at_chance(row, "guess_accuracy"):
+        notes.append(f"at the in-context guess ({row['guess_accuracy']:.3f}: which answers the sequence holds, not "
+                     "which query each belongs to)")
     if row["seeds_ok"] < 2:
         notes.append("1 seed: no spread, differences untested")
     elif best is not None and best is not row and best["seeds_ok"] > 1:
@@ -217,10 +229,21 @@ def plot_frontier(plt, task: str, rows: list[dict], path: Path) -> None:
                     capsize=3)  # fmt: skip
         ax.annotate(r["name"], (r["decoding_state_bytes"], r["eval_accuracy"]), textcoords="offset points",
                     xytext=(4, 4), fontsize=8)  # fmt: skip
+    draw_baselines(ax, rows)
     ax.set_xscale("log")
     ax.set(xlabel="decoding state per sequence at the task length (bytes, log)", ylabel="accuracy",
            title=f"{task}: recall vs decoding state (the frontier)", ylim=(-0.02, 1.02))  # fmt: skip
     save_figure(fig, path)
+
+
+def draw_baselines(ax, rows: list[dict]) -> None:
+    """Dotted lines at the accuracy of the majority answer and of the in-context guess (means over the entries)."""
+    for key, text in (("majority_accuracy", "majority answer"), ("guess_accuracy", "in-context guess")):
+        level = _mean([r.get(key) for r in rows])
+        if level is not None:
+            ax.axhline(level, color="gray", linestyle=":", linewidth=1)
+            ax.annotate(f"{text} {level:.3f}", (0.01, level), xycoords=("axes fraction", "data"),
+                        xytext=(0, 2), textcoords="offset points", fontsize=7, color="gray")  # fmt: skip
 
 
 def plot_by_distance(plt, task: str, rows: list[dict], path: Path) -> None:
@@ -235,6 +258,7 @@ def plot_by_distance(plt, task: str, rows: list[dict], path: Path) -> None:
             middle = [(b["start"] * (b["end"] - 1)) ** 0.5 for b in buckets]
             ticks.update(zip(middle, (b["bucket"] for b in buckets), strict=True))
             ax.plot(middle, [b["accuracy"] for b in buckets], marker="o", label=r["name"])
+    draw_baselines(ax, rows)
     ax.set_xscale("log")
     ax.set_xticks(list(ticks), list(ticks.values()))
     ax.minorticks_off()
