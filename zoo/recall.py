@@ -242,7 +242,7 @@ def draw_baselines(ax, rows: list[dict]) -> None:
         level = _mean([r.get(key) for r in rows])
         if level is not None:
             ax.axhline(level, color="gray", linestyle=":", linewidth=1)
-            ax.annotate(f"{text} {level:.3f}", (0.01, level), xycoords=("axes fraction", "data"),
+            ax.annotate(f"{text} {level:.3f}", (0.99, level), xycoords=("axes fraction", "data"), ha="right",
                         xytext=(0, 2), textcoords="offset points", fontsize=7, color="gray")  # fmt: skip
 
 
