@@ -5,7 +5,7 @@
 The logic lives in zoo/compare.py (its docstring lists the config keys).
 """
 
-from zoo.compare import main
+from zoo.training.compare import main
 
 if __name__ == "__main__":
     main()

@@ -6,7 +6,7 @@
 The logic lives in zoo/train.py (FinetuneConfig lists every key).
 """
 
-from zoo.train import main
+from zoo.training.finetune import main
 
 if __name__ == "__main__":
     main()

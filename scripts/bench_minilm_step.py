@@ -27,9 +27,9 @@ def one_setting(args: argparse.Namespace) -> dict:
     import transformers
 
     import zoo
-    from zoo.longify import longify
+    from zoo.convert.longify import longify
     from zoo.reporting import max_rss_bytes
-    from zoo.train import resolve_pretrained
+    from zoo.training.finetune import resolve_pretrained
 
     torch.manual_seed(0)
     dropout = args.dropout[0]

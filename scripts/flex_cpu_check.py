@@ -11,8 +11,9 @@ import time
 
 import torch
 
-from zoo.dispatch import run_variant
 from zoo.ops import flex
+from zoo.plug.backend import attention_backend
+from zoo.plug.dispatch import run_variant
 from zoo.registry import get_variant_class
 from zoo.variant import AttentionCall
 
@@ -29,12 +30,13 @@ def measure(variant, n: int, args: argparse.Namespace) -> str:
     call = AttentionCall(causal=False, scaling=args.head_dim**-0.5)
     attention = functools.partial(run_variant, variant, q, k, v, call)
     with torch.no_grad():
-        mask_s = seconds(functools.partial(flex.block_mask_for, variant, call, 1, args.heads, n, "cpu"))
-        with flex.attention_backend("flex"):
+        pattern = variant.pattern(call, n, n)
+        mask_s = seconds(functools.partial(flex.block_mask_for, pattern, call, 1, args.heads, n, "cpu"))
+        with attention_backend("flex"):
             first = seconds(attention)
             flex_s = min(seconds(attention) for _ in range(args.repeats))
             out = attention()
-        with flex.attention_backend("chunked"):
+        with attention_backend("chunked"):
             chunked_s = min(seconds(attention) for _ in range(args.repeats))
             diff = (attention() - out).abs().max().item()
     return (f"| {variant.name} | {n} | {chunked_s:.2f} | {flex_s:.2f} | {chunked_s / flex_s:.2f}x | {first:.1f} | "

@@ -1,7 +1,7 @@
 """Two DDP steps of a tiny BERT with every built-in variant, in one launch (``tests/test_recipes.py`` starts it
-with ``recipes/accelerate/multi_cpu.yaml``). DDP is set up as zoo.train sets it up
-(:func:`zoo.train.find_unused_parameters`), so a variant that leaves a parameter without a gradient and does not
-declare it fails here at its second step."""
+with ``recipes/accelerate/multi_cpu.yaml``). DDP is set up as the fine-tune sets it up
+(:func:`zoo.training.finetune.find_unused_parameters`), so a variant that leaves a parameter without a gradient and
+does not declare it fails here at its second step."""
 
 import os
 import sys
@@ -12,7 +12,8 @@ import transformers
 from torch.nn.parallel import DistributedDataParallel
 
 import zoo
-from zoo import train
+from zoo.training import finetune as train
+from zoo.training.config import FinetuneConfig
 
 TINY_BERT = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
              "vocab_size": 50, "max_position_embeddings": 64, "attention_probs_dropout_prob": 0.0}  # fmt: skip
@@ -24,7 +25,7 @@ def built_in_variants() -> list[str]:
 
 def two_steps(name: str) -> None:
     params = dict(zoo.get_variant_class(name).test_params)
-    cfg = train.FinetuneConfig(task="listops", output_dir="unused", model_config={"model_type": "bert"},
+    cfg = FinetuneConfig(task="listops", output_dir="unused", model_config={"model_type": "bert"},
                                variant=name, variant_params=params)  # fmt: skip
     config = zoo.configure(transformers.BertConfig(**TINY_BERT, num_labels=3), name, **params)
     torch.manual_seed(0)

@@ -5,14 +5,15 @@ from pathlib import Path
 
 import pytest
 
-from zoo import compare, train
+from zoo.training import compare
+from zoo.training.config import parse_config
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("flag", ["--output_dir", "--output-dir"])
 def test_finetune_takes_both_spellings(flag):
-    config = train.parse_config([str(REPO / "recipes/configs/smoke.yaml"), flag, "outputs/elsewhere",
+    config = parse_config([str(REPO / "recipes/configs/smoke.yaml"), flag, "outputs/elsewhere",
                                  "--max_steps", "3", "--overwrite-output-dir", "true"])
     assert config.output_dir == "outputs/elsewhere" and config.max_steps == 3 and config.overwrite_output_dir
 

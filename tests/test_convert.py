@@ -8,7 +8,7 @@ import transformers
 
 import zoo
 from zoo.convert import NotALongformerError, from_longformer, longformer_global_attention_mask
-from zoo.weights import WEIGHTS_NAME
+from zoo.plug.weights import WEIGHTS_NAME
 
 VOCAB = 100
 TINY = dict(
@@ -172,8 +172,8 @@ def test_global_projections_on_a_roberta_start_as_the_local_ones(tmp_path):
 
 
 def test_global_projections_refuse_decoding_with_a_cache():
+    from zoo.plug.weights import build
     from zoo.variant import AttentionCall
-    from zoo.weights import build
 
     variant = zoo.get_variant_class("longformer")(window=8, global_tokens=[0], global_projections=True)
     config = transformers.RobertaConfig(**TINY)

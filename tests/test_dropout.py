@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import zoo.ops.dropout as dropout_ops
-from zoo.dispatch import run_variant
 from zoo.ops import allowed_mask, safe_softmax
 from zoo.ops.dropout import Dropout, dropped_probabilities
+from zoo.plug.dispatch import run_variant
 from zoo.testing import LargestAllocation, make_call, make_inputs, make_variant, modes, real_rows
 
 VARIANTS = ["longformer", "bigbird", "sparse_transformer"]

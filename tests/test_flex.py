@@ -14,9 +14,10 @@ import logging
 import pytest
 import torch
 
-from zoo.dispatch import run_variant
 from zoo.ops import allowed_mask, expand_kv, flex, softmax_attention
 from zoo.pattern import Pattern, band
+from zoo.plug import backend as backends
+from zoo.plug.dispatch import run_variant
 from zoo.testing import LargestAllocation, make_call, make_inputs, make_variant, real_rows, reference
 from zoo.variant import Variant
 
@@ -53,7 +54,7 @@ def gqa_inputs(padding="right", n=100):
 
 
 def run(variant, q, k, v, call, backend):
-    with torch.no_grad(), flex.attention_backend(backend, compiled=False):
+    with torch.no_grad(), backends.attention_backend(backend, compiled=False):
         return run_variant(variant, q, k, v, call)
 
 
@@ -96,7 +97,7 @@ def test_block_mask_holds_exactly_the_blocks_the_pattern_touches(name, params):
     if name == "bigbird":
         variant = make_variant(name, block_size=64)
     call = make_call(False)
-    block_mask = flex.block_mask_for(variant, call, 1, heads, n, "cpu")
+    block_mask = flex.block_mask_for(variant.pattern(call, n, n), call, 1, heads, n, "cpu")
     touched = allowed_mask(call, variant.pattern(call, n, n), 1, heads, n, n)
     touched = touched.unflatten(-1, (-1, 128)).unflatten(-3, (-1, 128)).any(-1).any(-2)  # (1, H, 32, 32)
     nonempty = block_mask.to_dense().bool().expand_as(touched)
@@ -138,6 +139,14 @@ def test_block_mask_is_built_without_an_n_by_n_tensor(monkeypatch):
     assert probe.largest < n * n // 8
 
 
+def _block_mask(variant, call, n=100):
+    return flex.block_mask_for(variant.pattern(call, n, n), call, 1, 2, n, "cpu")
+
+
+def runs_on_flex(variant, q, k, v, call) -> bool:
+    return backends.flex_pattern(variant, q, k, v, call) is not None
+
+
 def test_layers_with_the_same_pattern_share_one_mask(monkeypatch):
     builds = []
     monkeypatch.setattr(flex, "_masks", type(flex._masks)())
@@ -145,11 +154,11 @@ def test_layers_with_the_same_pattern_share_one_mask(monkeypatch):
     monkeypatch.setattr(flex, "build_block_mask", lambda *a: builds.append(a) or real_build(*a))
     longformer, bigbird = make_variant("longformer"), make_variant("bigbird")
     for layer in range(3):
-        flex.block_mask_for(longformer, make_call(False, layer_idx=layer), 1, 2, 100, "cpu")
+        _block_mask(longformer, make_call(False, layer_idx=layer))
     assert len(builds) == 1  # same window and globals in every layer: one mask
     for layer in range(3):
-        flex.block_mask_for(bigbird, make_call(False, layer_idx=layer), 1, 2, 100, "cpu")
-        flex.block_mask_for(bigbird, make_call(False, layer_idx=layer), 1, 2, 100, "cpu")
+        _block_mask(bigbird, make_call(False, layer_idx=layer))
+        _block_mask(bigbird, make_call(False, layer_idx=layer))
     assert len(builds) == 4  # a random layout per layer, each built once
 
 
@@ -157,34 +166,34 @@ def test_backend_choice_on_cpu(monkeypatch):
     variant = make_variant("longformer")
     q, k, v, _ = gqa_inputs(padding=None)
     call = make_call(False)
-    assert not flex.use_flex(variant, q, k, v, call)  # auto: no measured CPU crossover for this variant
-    monkeypatch.setitem(flex.CPU_CROSSOVER, "longformer", 64)
-    assert flex.use_flex(variant, q, k, v, call)
-    assert not flex.use_flex(variant, q[..., :32, :], k[..., :32, :], v[..., :32, :], call)  # below the crossover
-    with flex.attention_backend("chunked"):
-        assert not flex.use_flex(variant, q, k, v, call)
+    assert not runs_on_flex(variant, q, k, v, call)  # auto: no measured CPU crossover for this variant
+    monkeypatch.setitem(backends.CPU_CROSSOVER, "longformer", 64)
+    assert runs_on_flex(variant, q, k, v, call)
+    assert not runs_on_flex(variant, q[..., :32, :], k[..., :32, :], v[..., :32, :], call)  # below the crossover
+    with backends.attention_backend("chunked"):
+        assert not runs_on_flex(variant, q, k, v, call)
     grad_q = q.clone().requires_grad_()
-    assert not flex.use_flex(variant, grad_q, k, v, call)  # no backward on CPU
-    assert not flex.use_flex(variant, q, k, v.clone().requires_grad_(), call)  # e.g. LoRA on the values only
-    with flex.attention_backend("flex"), pytest.raises(flex.FlexUnavailableError, match="no backward on CPU"):
-        flex.use_flex(variant, grad_q, k, v, call)
-    with flex.attention_backend("flex"):  # dense and approximate variants keep their own kernel
-        assert not flex.use_flex(make_variant("dense"), q, k, v, call)
-        assert not flex.use_flex(make_variant("performer"), q, k, v, call)
+    assert not runs_on_flex(variant, grad_q, k, v, call)  # no backward on CPU
+    assert not runs_on_flex(variant, q, k, v.clone().requires_grad_(), call)  # e.g. LoRA on the values only
+    with backends.attention_backend("flex"), pytest.raises(backends.FlexUnavailableError, match="no backward on CPU"):
+        runs_on_flex(variant, grad_q, k, v, call)
+    with backends.attention_backend("flex"):  # dense and approximate variants keep their own kernel
+        assert not runs_on_flex(make_variant("dense"), q, k, v, call)
+        assert not runs_on_flex(make_variant("performer"), q, k, v, call)
     with pytest.raises(ValueError, match="unknown; use one of auto, flex, chunked"):
-        with flex.attention_backend("triton"):
+        with backends.attention_backend("triton"):
             pass
 
 
 def test_dropout_falls_back_to_the_chunked_kernel_with_one_log_line(monkeypatch, caplog):
-    monkeypatch.setitem(flex.CPU_CROSSOVER, "bigbird", 1)
-    flex._log_fallback_once.cache_clear()
+    monkeypatch.setitem(backends.CPU_CROSSOVER, "bigbird", 1)
+    backends._log_fallback_once.cache_clear()
     variant = make_variant("bigbird")
     q, k, v, _ = gqa_inputs(padding=None)
     call = make_call(False, dropout=0.1, training=True)
     with caplog.at_level(logging.INFO, logger="zoo.ops.flex"):
         for _ in range(2):
-            assert not flex.use_flex(variant, q, k, v, call)
+            assert not runs_on_flex(variant, q, k, v, call)
     assert [r.getMessage() for r in caplog.records].count(
         "attention-zoo variant 'bigbird' runs its chunked kernel instead of FlexAttention: attention dropout p=0.1 "
         "(FlexAttention has none, pytorch#141784).") == 1
@@ -199,7 +208,7 @@ def test_compiled_flex_equals_the_chunked_kernel_without_recompiling_within_a_le
     for n in (200, 250):
         q, k, v, mask = gqa_inputs(n=n)
         call = make_call(False, mask, heads=HEADS)
-        with torch.no_grad(), flex.attention_backend("flex"):
+        with torch.no_grad(), backends.attention_backend("flex"):
             out = run_variant(variant, q, k, v, call)
         if n == 200:
             graphs = counters["stats"]["unique_graphs"]
@@ -217,7 +226,7 @@ def test_compiled_flex_follows_global_tokens_under_left_padding_and_per_row_mark
     marks[0, 150] = marks[1, 120] = 1
     for call in (make_call(True, mask, heads=HEADS),
                  make_call(False, mask, heads=HEADS, extra={"global_attention_mask": marks})):
-        with torch.no_grad(), flex.attention_backend("flex"):
+        with torch.no_grad(), backends.attention_backend("flex"):
             out = run_variant(variant, q, k, v, call)
         want = reference(variant, q, *expand_kv(k, v, HEADS), call)
         torch.testing.assert_close(real_rows(out, mask), real_rows(want, mask), atol=1e-5, rtol=1e-4)
@@ -235,9 +244,9 @@ def test_cuda_flex_forward_and_backward_equal_the_chunked_kernel(name, params, d
     q, k, v, mask = (x.cuda() for x in gqa_inputs(n=300))
     call = make_call(True, mask, heads=HEADS)
     results = []
-    for backend in ("flex", "chunked"):
+    for choice in ("flex", "chunked"):
         leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)]
-        with flex.attention_backend(backend):
+        with backends.attention_backend(choice):
             out = run_variant(variant, *leaves, call)
         out.float().square().sum().backward()
         results.append([out.float()] + [x.grad.float() for x in leaves])

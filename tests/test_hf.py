@@ -104,7 +104,7 @@ def _save_sdpa_bert(path):
      transformers.LEDConfig],
 )
 def test_models_off_the_interface_are_refused(config, tmp_path):
-    with pytest.raises(zoo.hf.UnsupportedModelError, match="never calls transformers' attention interface"):
+    with pytest.raises(zoo.UnsupportedModelError, match="never calls transformers' attention interface"):
         zoo.configure(config(), "sdpa")
 
 
@@ -114,7 +114,7 @@ def test_unsupported_model_is_refused_at_load_time_too(tmp_path):
     data = json.loads((tmp_path / "config.json").read_text())
     data.update(attn_implementation=zoo.IMPLEMENTATION, attention_zoo={"variant": "sdpa", "params": {}})
     (tmp_path / "config.json").write_text(json.dumps(data))
-    with pytest.raises(zoo.hf.UnsupportedModelError):
+    with pytest.raises(zoo.UnsupportedModelError):
         transformers.AutoModel.from_pretrained(tmp_path)
 
 

@@ -25,9 +25,9 @@ from huggingface_hub.repocard_data import model_index_to_eval_results
 from safetensors.torch import save_file
 
 import zoo
-from zoo.card import NotAZooOutputError, write_model_card
 from zoo.cli import main as zoo_main
-from zoo.push import NotHubReadyError, PushError, push_folder
+from zoo.hub.card import NotAZooOutputError, write_model_card
+from zoo.hub.push import NotHubReadyError, PushError, push_folder
 from zoo.registry import variant_source
 
 FAKE_TOKEN = "hf_FAKEtokenDoNotLeak0123456789abcdef"
@@ -304,7 +304,7 @@ def test_public_is_asked_for_explicitly(output_dir, capsys):
 def test_push_and_recipes_default_to_private():
     import inspect
 
-    from zoo.train import FinetuneConfig
+    from zoo.training.config import FinetuneConfig
 
     assert inspect.signature(push_folder).parameters["private"].default is True
     assert FinetuneConfig.hub_private is True

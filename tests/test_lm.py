@@ -17,9 +17,11 @@ import yaml
 from safetensors.torch import load_file
 
 import zoo
-from zoo import compare, distributed, lm, train
 from zoo.data import DataUnavailableError, build_task, cache_dir
 from zoo.data.lm import bpe_tokenizer, chunk_documents
+from zoo.training import compare, distributed, lm
+from zoo.training import finetune as train
+from zoo.training.config import FinetuneConfig
 
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE = REPO / "recipes" / "accelerate"
@@ -75,12 +77,12 @@ def private_cache(env, monkeypatch):
 
 
 def run_recipe(config, env, *overrides, launcher=None, num_processes=None):
-    prefix = [sys.executable, "-m", "zoo.train"]
+    prefix = [sys.executable, "-m", "zoo.training.finetune"]
     if launcher:
         prefix = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launcher)]
         if num_processes:
             prefix += ["--num_processes", str(num_processes), "--mixed_precision", "no"]
-        prefix += ["-m", "zoo.train"]
+        prefix += ["-m", "zoo.training.finetune"]
     done = subprocess.run([*prefix, str(config), *map(str, overrides)], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
@@ -200,7 +202,7 @@ def test_loss_by_position_matches_a_direct_computation():
 
 
 def lm_config(tmp_path, **overrides):
-    return train.FinetuneConfig(**{**TINY_LM, "output_dir": str(tmp_path / "out"), **overrides})
+    return FinetuneConfig(**{**TINY_LM, "output_dir": str(tmp_path / "out"), **overrides})
 
 
 def test_bidirectional_only_variant_is_refused_before_any_data(tmp_path, monkeypatch):

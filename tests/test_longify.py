@@ -1,12 +1,12 @@
-"""zoo.longify: tiled position tables keep short-input outputs, respect RoBERTa's offset, round-trip."""
+"""zoo.convert.longify: tiled position tables keep short-input outputs, respect RoBERTa's offset, round-trip."""
 
 import pytest
 import torch
 import transformers
 
 import zoo
-from zoo.longify import PositionLimitError, check_max_length, longify, position_capacity
-from zoo.train import resolve_pretrained
+from zoo.convert.longify import PositionLimitError, check_max_length, longify, position_capacity
+from zoo.training.config import resolve_pretrained
 
 TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64, "vocab_size": 99}
 

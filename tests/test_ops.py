@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zoo.dispatch import run_variant
+from zoo.plug.dispatch import run_variant
 from zoo.registry import get_variant_class
 from zoo.testing import make_call
 

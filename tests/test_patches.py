@@ -9,7 +9,7 @@ import transformers
 from transformers import BertConfig, PretrainedConfig, PreTrainedModel
 
 import zoo
-from zoo import _patches
+from zoo.plug import _patches
 
 
 def test_canary_patched_symbols_keep_the_shape_the_patches_rely_on():
@@ -45,7 +45,7 @@ class _Probe(transformers.BertModel):
     def post_init(self):
         _Probe.seen["post_init_after_layers"] = hasattr(self, "encoder")
         super().post_init()
-        extra = torch.nn.Linear(2, 2)  # a foreign submodule, as zoo.weights attaches (marked, and ignored if missing)
+        extra = torch.nn.Linear(2, 2)  # a foreign submodule, as zoo.plug.weights attaches (marked, ignored if missing)
         extra.weight.data.fill_(7.0)
         _patches.mark_initialized(extra)
         self.encoder.layer[0].attention.self.add_module("attention_zoo", extra)
@@ -132,7 +132,7 @@ def test_canary_to_dict_leaves_out_the_implementation_and_from_dict_reads_it_bac
 
 @pytest.mark.parametrize("name", ["BertModel", "RobertaModel", "DistilBertModel", "LlamaModel", "GPT2Model"])
 def test_canary_families_declare_their_attention_modules(name):
-    from zoo.weights import attention_modules
+    from zoo.plug.weights import attention_modules
 
     model_class = getattr(transformers, name)
     classes, names = _patches.declared_attention_classes(model_class(model_class.config_class(
@@ -224,7 +224,7 @@ def test_a_changed_signature_is_reported_with_the_transformers_version_and_left_
     monkeypatch.setattr(_patches, "PATCHES", (patch,))
     (message,) = _patches.check_patch_targets()
     assert transformers.__version__ in message and "Owner.to_dict" in message and "zoo/_patches.py" in message
-    with caplog.at_level(logging.WARNING, logger="zoo._patches"):
+    with caplog.at_level(logging.WARNING, logger="zoo.plug._patches"):
         _patches._wrap(patch, lambda original: lambda self, *a, **k: "patched")
     assert Owner().to_dict(True) == {"flatten": True}
     assert "unpatched" in caplog.text

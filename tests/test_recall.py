@@ -1,4 +1,4 @@
-"""Recall tasks and metrics: MQAR generation (zoo.data.mqar), accuracy by distance and report notes (zoo.recall)."""
+"""Recall tasks and metrics: MQAR generation (zoo.data.mqar), accuracy by distance, notes (zoo.training.recall)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import EvalPrediction
 
-from zoo import recall
 from zoo.data import mqar, task_tokenizer
+from zoo.training import recall
 
 SMALL = {"vocab_size": 64, "seq_len": 32, "num_kv_pairs": 4, "num_train_examples": 200,
          "num_validation_examples": 20, "num_test_examples": 50}  # fmt: skip
@@ -212,8 +212,8 @@ def test_report_table_names_hybrid_layers_and_drops_empty_buckets():
 
 
 def test_bubble_chart_names_entries_in_a_legend_and_maps_areas_to_megabytes():
-    from zoo.compare import bubble_chart
     from zoo.reporting import pyplot
+    from zoo.training.compare import bubble_chart
 
     rows = [
         {"name": name, "eval_accuracy": acc, "peak_memory_mb": mb, "train_tokens_per_second": speed}
@@ -231,7 +231,7 @@ def test_bubble_chart_names_entries_in_a_legend_and_maps_areas_to_megabytes():
 
 
 def test_report_header_names_the_seeds_each_task_ran():
-    from zoo.compare import markdown_report
+    from zoo.training.compare import markdown_report
 
     cfg = {"launcher": None, "seeds": [42], "tasks": [{"name": "mqar", "seeds": [0, 1, 2]}, {"name": "listops"}]}
     header = markdown_report(cfg, [], "c.yaml", 1.0)

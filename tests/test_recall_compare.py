@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from zoo import compare
+from zoo.training import compare
 
 REPO = Path(__file__).resolve().parents[1]
 

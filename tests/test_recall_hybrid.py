@@ -115,10 +115,11 @@ def test_listed_by_zoo_list():
 
 
 def test_a_hybrid_with_a_reformer_layer_has_ddp_look_for_unused_parameters():
-    from zoo import train
+    from zoo.training import finetune as train
+    from zoo.training.config import FinetuneConfig
 
     def cfg(layers):
-        return train.FinetuneConfig(task="listops", output_dir="unused", model_config={"model_type": "bert"},
+        return FinetuneConfig(task="listops", output_dir="unused", model_config={"model_type": "bert"},
                                     variant="hybrid", variant_params={"layers": layers})
 
     assert train.find_unused_parameters(cfg(["sdpa", "reformer"]))  # reformer's key projection gets no gradient

@@ -20,10 +20,12 @@ from accelerate.utils import FullyShardedDataParallelPlugin
 from safetensors.torch import load_file
 
 import zoo
-from zoo import compare, distributed, run_folder, train
+from zoo.convert.longify import PositionLimitError
 from zoo.data import UnknownTaskError, build_task
-from zoo.longify import PositionLimitError
-from zoo.run_lock import RunLock, RunLockedError
+from zoo.training import compare, distributed, run_folder
+from zoo.training import finetune as train
+from zoo.training.config import FinetuneConfig, check_config, parse_config
+from zoo.training.run_lock import RunLock, RunLockedError
 
 REPO = Path(__file__).resolve().parents[1]
 MULTI_CPU = REPO / "recipes" / "accelerate" / "multi_cpu.yaml"
@@ -79,7 +81,7 @@ def tiny_config(workdir):
     return path
 
 
-def launch_prefix(launcher=None, script=("-m", "zoo.train")) -> list[str]:
+def launch_prefix(launcher=None, script=("-m", "zoo.training.finetune")) -> list[str]:
     """python, or accelerate with a launcher file (fsdp.yaml: 2 processes, no mixed precision, as on this CPU)."""
     if not launcher:
         return [sys.executable, *script]
@@ -126,8 +128,8 @@ def test_smoke_finetune_writes_every_output(full_run):
     logged = [json.loads(line) for line in (full_run / "train_log.jsonl").read_text().splitlines()]
     assert any("loss" in entry for entry in logged)
     if "README.md" not in names:
-        pytest.importorskip("zoo.card")  # the model card is written whenever zoo.card exists
-        raise AssertionError("zoo.card exists but README.md was not written")
+        pytest.importorskip("zoo.hub.card")  # the model card is written whenever zoo.hub.card exists
+        raise AssertionError("zoo.hub.card exists but README.md was not written")
     model = transformers.AutoModelForSequenceClassification.from_pretrained(full_run)
     assert zoo.variant_spec(model.config)["variant"] == "sdpa"
     assert model.config.attention_probs_dropout_prob == 0.0
@@ -196,11 +198,11 @@ def test_resume_from_checkpoint_matches_an_uninterrupted_run(workdir, tiny_confi
 
 
 def config(tmp_path, **overrides):
-    return train.FinetuneConfig(**{**TINY, "output_dir": str(tmp_path / "out"), **overrides})
+    return FinetuneConfig(**{**TINY, "output_dir": str(tmp_path / "out"), **overrides})
 
 
 def test_config_file_values_are_overridden_on_the_command_line(tiny_config):
-    cfg = train.parse_config([str(tiny_config), "--max_steps", "3", "--variant_params", "{window: 16}"])
+    cfg = parse_config([str(tiny_config), "--max_steps", "3", "--variant_params", "{window: 16}"])
     assert cfg.max_steps == 3 and cfg.variant_params == {"window": 16} and cfg.learning_rate == 1e-3
     assert cfg.task_options["train_size"] == 40
 
@@ -209,7 +211,7 @@ def test_unknown_config_key_is_a_clear_error(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({**TINY, "output_dir": "x", "learning_rte": 0.1}))
     with pytest.raises(ValueError, match="unknown key 'learning_rte'. Did you mean 'learning_rate'"):
-        train.parse_config([str(path)])
+        parse_config([str(path)])
 
 
 @pytest.mark.parametrize(
@@ -229,14 +231,14 @@ def test_wrong_config_values_name_the_key_when_parsed(tmp_path, key, value, mess
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({**TINY, "output_dir": "x", key: value}))
     with pytest.raises(ValueError, match=message):
-        train.parse_config([str(path)])
+        parse_config([str(path)])
 
 
 def test_a_key_written_twice_is_an_error_in_finetune_and_compare_configs(tmp_path):
     path = tmp_path / "twice.yaml"
     path.write_text(yaml.safe_dump({**TINY, "output_dir": "x"}) + "seed: 8\n")
     with pytest.raises(ValueError, match="key 'seed' appears twice"):
-        train.parse_config([str(path)])
+        parse_config([str(path)])
     path.write_text("launcher: null\ntasks: []\nlauncher: null\n")
     with pytest.raises(ValueError, match="key 'launcher' appears twice"):
         compare.load_compare_config(str(path))
@@ -307,14 +309,14 @@ def test_output_dir_holding_another_run_is_refused(tmp_path):
     (tmp_path / "out" / "results.json").write_text("{}")
     expected = "already holds a run.*--resume_from_checkpoint true.*--overwrite_output_dir"
     with pytest.raises(FileExistsError, match=expected):
-        train.check_config(config(tmp_path))
-    train.check_config(config(tmp_path, overwrite_output_dir=True))
-    train.check_config(config(tmp_path, resume_from_checkpoint="true"))
+        check_config(config(tmp_path))
+    check_config(config(tmp_path, overwrite_output_dir=True))
+    check_config(config(tmp_path, resume_from_checkpoint="true"))
 
 
 def test_push_without_a_repository_id_is_refused(tmp_path):
     with pytest.raises(ValueError, match="hub_model_id"):
-        train.check_config(config(tmp_path, push_to_hub=True))
+        check_config(config(tmp_path, push_to_hub=True))
 
 
 # --- compare --------------------------------------------------------------------------------------
@@ -402,8 +404,8 @@ COMPARE_CONFIGS = sorted(CONFIGS.glob("compare*.yaml"))
 
 @pytest.mark.parametrize("path", FINETUNE_CONFIGS, ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_shipped_finetune_configs_are_valid(path, tmp_path):
-    cfg = train.parse_config([str(path), "--output_dir", str(tmp_path / "out")])
-    train.check_config(cfg)
+    cfg = parse_config([str(path), "--output_dir", str(tmp_path / "out")])
+    check_config(cfg)
     train.training_arguments(cfg)
 
 

@@ -8,14 +8,15 @@ import torch
 import transformers
 
 import zoo
-from zoo import contract
-from zoo.dispatch import run_variant
 from zoo.ops import allowed_mask, softmax_attention
+from zoo.pattern import Pattern
+from zoo.plug.dispatch import run_variant
 from zoo.testing import (
     LargestAllocation,
     assert_matches_reference,
     assert_memory_below_quadratic,
     assert_reloads_identically,
+    contract,
     declares_subquadratic_memory,
     make_call,
     make_inputs,
@@ -38,7 +39,7 @@ class MaskedDenseWindow(Variant):
 
     def pattern(self, call, q_len, kv_len):
         width = self.width
-        return lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() < width
+        return Pattern(lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() < width)
 
     def attend(self, q, k, v, call):
         allowed = allowed_mask(call, self.pattern(call, q.shape[-2], k.shape[-2]), *q.shape[:2], q.shape[-2],

@@ -10,10 +10,9 @@ import transformers
 from torch import nn
 
 import zoo
-from zoo import contract
 from zoo.ops import softmax_attention
-from zoo.testing import make_call, make_weights
-from zoo.weights import WEIGHTS_NAME, attention_modules, seed_for
+from zoo.plug.weights import WEIGHTS_NAME, attention_modules, seed_for
+from zoo.testing import contract, make_call, make_weights
 
 SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 

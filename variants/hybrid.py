@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from zoo.pattern import Pattern
-from zoo.variant import AttentionCall, Param, Variant, VariantParameterError
+from zoo.registry import UnknownVariantError, get_variant_class
+from zoo.variant import AttentionCall, Param, Variant, VariantParameterError, reference
 
 EXAMPLE = "[{'variant': 'linear'}, {'variant': 'longformer', 'params': {'window': 64}}]"
 
@@ -45,8 +46,6 @@ class HybridAttention(Variant):
                               {"variant": "linear", "params": {"chunk_size": 16}}]}  # fmt: skip
 
     def check_config(self) -> None:
-        from zoo.registry import UnknownVariantError, get_variant_class  # the registry imports the variants
-
         if not self.layers:
             raise VariantParameterError(f"attention-zoo variant 'hybrid': `layers` is empty; give e.g. {EXAMPLE}.")
         entries = [self._entry(item) for item in self.layers]
@@ -63,7 +62,7 @@ class HybridAttention(Variant):
         self.supports_causal = all(part.supports_causal for part in self.parts)
         self.supports_bidirectional = all(part.supports_bidirectional for part in self.parts)
         self.supports_dropout = all(part.supports_dropout for part in self.parts)
-        self.trains_every_parameter = all(part.trains_every_parameter for part in self.parts)  # DDP (zoo.train)
+        self.trains_every_parameter = all(part.trains_every_parameter for part in self.parts)  # DDP (zoo.training)
         bounds = [part.error_bound for part in self.parts if not part.exact]
         self.error_bound = max(bounds) if bounds else None
 
@@ -96,9 +95,7 @@ class HybridAttention(Variant):
         return self.part(call.layer_idx).pattern(call, q_len, kv_len)
 
     def reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
-        """The layer's variant's reference (:func:`zoo.testing.reference`; tests only, O(n²))."""
-        from zoo.testing import reference  # zoo.testing imports the registry, which imports the variants
-
+        """The layer's variant's reference (:func:`zoo.variant.reference`; tests only, O(n²))."""
         return reference(self.part(call.layer_idx), q, k, v, call)
 
     def cache_layer(self, layer_idx: int, config: Any):

@@ -1,15 +1,18 @@
 """attention-zoo: a plugin-based zoo of long-context attention variants for Hugging Face transformers.
 
 ``import zoo`` registers the ``attention_zoo`` attention implementation with transformers, so models
-saved with a variant load back with it.
+saved with a variant load back with it. What a plugin may use (plugin API :data:`PLUGIN_API_VERSION`, changes in
+CHANGELOG.md): the names below, :mod:`zoo.call`, :mod:`zoo.pattern`, :mod:`zoo.cache`, the kernels of :mod:`zoo.ops`,
+:mod:`zoo.testing` and ``pytest --pyargs zoo.contract``.
 """
 
 from zoo.cache import cache_nbytes
-from zoo.convert import from_longformer
-from zoo.generation import make_cache
-from zoo.hf import IMPLEMENTATION, configure, install, variant_for, variant_spec
-from zoo.longify import longify
-from zoo.ops.flex import attention_backend
+from zoo.call import AttentionCall
+from zoo.convert import from_longformer, longify
+from zoo.plug.backend import attention_backend
+from zoo.plug.generation import make_cache
+from zoo.plug.install import configure, install
+from zoo.plug.spec import IMPLEMENTATION, UnsupportedModelError, variant_for, variant_spec
 from zoo.registry import (
     BrokenVariantError,
     UnknownVariantError,
@@ -19,19 +22,21 @@ from zoo.registry import (
     register_variant,
     unregister_variant,
 )
-from zoo.variant import AttentionCall, LayerWeights, Param, Variant, VariantParameterError
+from zoo.variant import PLUGIN_API_VERSION, LayerWeights, Param, Variant, VariantParameterError
 
 install()
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
-    "LayerWeights",
     "IMPLEMENTATION",
+    "PLUGIN_API_VERSION",
     "AttentionCall",
     "BrokenVariantError",
+    "LayerWeights",
     "Param",
     "UnknownVariantError",
+    "UnsupportedModelError",
     "Variant",
     "VariantConflictError",
     "VariantParameterError",

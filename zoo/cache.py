@@ -12,7 +12,7 @@
 How a layer reaches the kernel: transformers' attention modules call ``cache.update(k, v, layer_idx,
 kwargs=attention_kwargs)`` and then the attention function with ``**attention_kwargs`` (Llama, Mistral, Qwen2,
 GPT-2 on transformers 5.24). ``update`` puts the layer into that dict under :data:`LAYER_KWARG`;
-:func:`zoo.dispatch.zoo_attention_forward` moves it into ``AttentionCall.cache``.
+:func:`zoo.plug.dispatch.zoo_attention_forward` moves it into ``AttentionCall.cache``.
 
 Masks: transformers builds one 2-D padding mask for all layers, sized by a layer's ``get_mask_sizes``. Our
 layers report every token seen, so the mask has one column per position and :meth:`key_columns` picks the
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
-from zoo.variant import AttentionCall, Variant
+from zoo.call import AttentionCall
 
 LAYER_KWARG = "attention_zoo_cache_layer"
 
@@ -240,7 +240,7 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
         return tensor_bytes([self.keys, self.values, self.positions, self.is_sink])
 
 
-def pattern_cache_layer(variant: Variant, layer_idx: int) -> CacheLayerMixin:
+def pattern_cache_layer(variant: Any, layer_idx: int) -> CacheLayerMixin:
     """The cache a variant's causal pattern needs (:meth:`Variant.cache_layer`'s default): with a finite ``reach``
     a :class:`WindowedLayer` keeping the pattern's sinks (global columns) and the last ``reach`` keys -- and every
     key while a global query (a row that sees everything) may still come; otherwise every key (``DynamicLayer``)."""
@@ -405,7 +405,7 @@ class RecurrentLayer(_SeenTokens, CacheLayerMixin):
 class ZooCache(Cache):
     """One cache layer per decoder layer, each chosen by the model's variant (:meth:`Variant.cache_layer`)."""
 
-    def __init__(self, variant: Variant, config: Any) -> None:
+    def __init__(self, variant: Any, config: Any) -> None:
         text_config = config.get_text_config(decoder=True)
         layers = [variant.cache_layer(index, text_config) for index in range(text_config.num_hidden_layers)]
         super().__init__(layers=layers)

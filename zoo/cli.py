@@ -56,7 +56,7 @@ def _subcommand_registrars():
     """Subcommands living in other modules (bench, push, ...) expose ``add_subcommand(subparsers)``."""
     import importlib
 
-    for module in ("zoo.bench", "zoo.push"):
+    for module in ("zoo.bench", "zoo.hub.push"):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
@@ -67,7 +67,6 @@ def _subcommand_registrars():
 
 
 def main(argv: list[str] | None = None) -> int:
-    import zoo  # noqa: F401  (registers the transformers plug)
 
     args = build_parser().parse_args(argv)
     return args.func(args)

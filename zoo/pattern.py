@@ -4,7 +4,7 @@ A pattern's predicate is a ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` -- t
 ``transformers.masking_utils`` mask functions and of FlexAttention's ``mask_mod`` -- over broadcastable index
 tensors (token positions in the sequence the model sees: 0 .. tokens seen - 1). Variants compose it from the small
 named predicates below with :func:`or_masks` / :func:`and_masks` (transformers' own). It says nothing about
-causality or padding: the plug (:func:`zoo.dispatch.zoo_attention_forward`) adds those once, with transformers'
+causality or padding: the plug (:func:`zoo.plug.dispatch.zoo_attention_forward`) adds those once, with transformers'
 ``causal_mask_function`` and ``padding_mask_function`` (:func:`with_causality_and_padding`).
 
 Beside the predicate a pattern carries structural hints that the exact kernels, the decoding cache and FLOPs read
@@ -39,6 +39,7 @@ MaskMod = Callable[[Any, Any, Any, Any], Any]
 __all__ = [
     "MaskMod",
     "Pattern",
+    "PredicateOnly",
     "TokenSet",
     "and_masks",
     "band",
@@ -201,6 +202,22 @@ class Pattern:
 
     def __call__(self, b, h, q_idx, kv_idx):
         return self.mask_mod(b, h, q_idx, kv_idx)
+
+    @property
+    def runs_on_flex(self) -> bool:
+        """Whether FlexAttention may run it (not a bare predicate of plugin API 1: :class:`PredicateOnly`)."""
+        return True
+
+
+@dataclass(frozen=True)
+class PredicateOnly(Pattern):
+    """A bare predicate returned by the ``pattern()`` of a plugin written for plugin API 1 (attention-zoo 0.1.0),
+    wrapped without hints: the dense reference holds the kernel to it, the decoding cache keeps every key, and
+    FlexAttention never runs it (without hints its block mask would be evaluated over all n x n pairs)."""
+
+    @property
+    def runs_on_flex(self) -> bool:
+        return False
 
 
 def dense_mask(mask_mod: MaskMod | None, causal: bool, padding_mask, batch: int, heads: int, q_len: int, kv_len: int,

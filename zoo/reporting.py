@@ -1,4 +1,4 @@
-"""Small pieces every report of the zoo shares (``zoo bench``, ``zoo.compare``, model cards): number formats,
+"""Small pieces every report of the zoo shares (``zoo bench``, ``zoo.training.compare``, model cards): number formats,
 markdown tables and CSV files, matplotlib set up for files, and peak-memory readings.
 
 No zoo imports here: any module may use it. torch and matplotlib are imported only by the functions that need them.

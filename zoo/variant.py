@@ -6,22 +6,39 @@ A variant file holds two things side by side:
   in the style of ``transformers.masking_utils`` (the spec the tests hold the kernel to), and
 * its **kernel** -- :meth:`Variant.attend`, the fast implementation.
 
-The shared plumbing (:mod:`zoo.hf`) hands the kernel grouped-query-expanded ``q, k, v`` of shape
-``(batch, heads, seq, head_dim)`` and an :class:`AttentionCall` describing causality, padding,
+The plug (:func:`zoo.plug.dispatch.run_variant`) hands the kernel grouped-query-expanded ``q, k, v`` of shape
+``(batch, heads, seq, head_dim)`` and an :class:`~zoo.call.AttentionCall` describing causality, padding,
 scaling and dropout. The kernel returns ``(batch, heads, q_len, head_dim)``.
+
+This module, :mod:`zoo.call`, :mod:`zoo.pattern`, :mod:`zoo.cache`, :mod:`zoo.ops` and :mod:`zoo.testing` are the
+plugin API (:data:`PLUGIN_API_VERSION`, changes in CHANGELOG.md).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import logging
+import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from transformers.cache_utils import CacheLayerMixin, DynamicLayer
+from transformers.cache_utils import CacheLayerMixin
 
-from zoo.pattern import Pattern
+from zoo.cache import pattern_cache_layer
+from zoo.call import AttentionCall
+from zoo.ops import allowed_mask, softmax_attention
+from zoo.ops.patterned import pattern_attention, pattern_flops
+from zoo.pattern import Pattern, PredicateOnly
+
+__all__ = ["AttentionCall", "LayerWeights", "PLUGIN_API_VERSION", "Param", "Variant", "VariantParameterError",
+           "reference"]
+
+PLUGIN_API_VERSION = 2
+"""The version of the plugin API (what README's "Writing a variant" uses). 1: attention-zoo 0.1.0, where
+``pattern()`` returned a bare predicate; 2: ``pattern()`` returns a :class:`zoo.pattern.Pattern` (CHANGELOG.md)."""
 
 logger = logging.getLogger(__name__)
 
@@ -127,58 +144,6 @@ class LayerWeights(torch.nn.Module):
         """Called (under no_grad) with the attention module; the default keeps the constructor's values."""
 
 
-@dataclass
-class AttentionCall:
-    """Everything about one attention call except q/k/v.
-
-    ``padding_mask`` is ``(batch, kv_len)`` bool, True for real tokens, or None when nothing is padded.
-    ``extra`` carries model keyword arguments that reached the attention function (for example
-    ``global_attention_mask`` for Longformer). ``state`` is a dict persisted in the model config, for
-    variants that must save what they drew (Performer's redraw counters).
-
-    ``cache`` is the variant's own cache layer (what :meth:`Variant.cache_layer` returned for this layer) when
-    the model decodes with a zoo cache, else None. With a cache, q holds the new tokens only and k/v hold
-    what the layer returned from ``update`` (see :mod:`zoo.cache`); ``padding_mask`` then covers those keys.
-
-    ``weights`` is this layer's module from :meth:`Variant.make_module` (None for variants without learned
-    weights); read it with :meth:`Variant.layer_weights`.
-
-    Set once by the plug so kernels need not re-derive them: ``positions`` (kv_len,) long, the token position of each
-    key (None: 0 .. kv_len - 1; a windowed cache hands over sinks and the recent keys); ``decoding``: the queries are
-    the newest tokens over a cache holding earlier ones (the queries are always the last ``q_len`` keys);
-    ``row_start`` (batch,) long: each row's first real token (left padding), None when every row starts at 0;
-    ``cross_attention``: the keys come from another sequence (an encoder), ``padding_mask`` covers those keys.
-    """
-
-    causal: bool
-    scaling: float
-    padding_mask: torch.Tensor | None = None
-    dropout: float = 0.0
-    training: bool = False
-    layer_idx: int = 0
-    extra: dict = field(default_factory=dict)
-    state: dict = field(default_factory=dict)
-    cache: Any = None
-    weights: torch.nn.Module | None = None
-    positions: torch.Tensor | None = None
-    decoding: bool = False
-    row_start: torch.Tensor | None = None
-    cross_attention: bool = False
-
-    @property
-    def effective_dropout(self) -> float:
-        """The attention dropout probability this call applies: ``dropout`` in training, else 0."""
-        return self.dropout if self.training else 0.0
-
-    def key_positions(self, kv_len: int, device=None) -> torch.Tensor:
-        """(kv_len,) token positions of the keys."""
-        return self.positions if self.positions is not None else torch.arange(kv_len, device=device)
-
-    def query_positions(self, q_len: int, kv_len: int, device=None) -> torch.Tensor:
-        """(q_len,) token positions of the queries: the last ``q_len`` keys."""
-        return self.key_positions(kv_len, device)[kv_len - q_len :]
-
-
 class Variant:
     """Base class for attention variants. Subclass it, fill the class attributes, implement ``attend``.
 
@@ -232,6 +197,8 @@ class Variant:
                     f"{pname + '_value'!r}); if models were saved with the old name, also declare "
                     f"renamed_params = {{{pname!r}: <new name>}} so they keep loading."
                 )
+        if "pattern" in vars(cls):
+            cls.pattern = _returning_a_pattern(cls, vars(cls)["pattern"])
         for old, new in cls.renamed_params.items():
             if old in cls.params or new not in cls.params:
                 raise TypeError(
@@ -303,8 +270,6 @@ class Variant:
         if not self.overrides("attend"):
             pattern = self.pattern(AttentionCall(causal=causal, scaling=1.0), n, n)
             if pattern is not None and pattern.key_blocks is not None:
-                from zoo.ops.patterned import pattern_flops  # zoo.ops imports this module
-
                 return pattern_flops(pattern, n, heads, head_dim)
         return 4.0 * n * n * heads * head_dim * (0.5 if causal else 1.0)
 
@@ -378,8 +343,6 @@ class Variant:
                 "zoo.pattern.Pattern with block_size and key_blocks (e.g. zoo.pattern.band_key_blocks) to run it on "
                 "the shared chunked kernels."
             )
-        from zoo.ops.patterned import pattern_attention  # zoo.ops imports this module
-
         return pattern_attention(q, k, v, call, pattern)
 
     def cache_layer(self, layer_idx: int, config: Any) -> CacheLayerMixin:
@@ -390,16 +353,7 @@ class Variant:
         key (transformers' ``DynamicLayer``). Variants that need something else (a recurrent state) return a layer
         of :mod:`zoo.cache` and read it back in ``attend`` through ``call.cache``.
         """
-        from zoo.cache import pattern_cache_layer  # zoo.cache imports this module
-
         return pattern_cache_layer(self, layer_idx)
-
-    def declares_bounded_cache(self) -> bool:
-        """True when decoding memory does not grow with the context (a windowed or recurrent cache)."""
-        from zoo.cache import GrowingLayer
-
-        layer = self.cache_layer(0, None)
-        return not isinstance(layer, (DynamicLayer, GrowingLayer)) or getattr(layer, "bounded", False)
 
     @classmethod
     def describe(cls) -> dict[str, Any]:
@@ -413,3 +367,65 @@ class Variant:
             "params": {k: p.default for k, p in cls.params.items()},
         }
 
+
+
+def reference(variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+    """What the kernel must equal (exact) or approximate: the variant's own ``reference`` if it defines
+    one, else softmax attention restricted to its pattern, causality and padding (O(n²), tests only).
+    Padded query rows are zero, as :func:`zoo.plug.dispatch.run_variant` makes them."""
+    if variant.overrides("reference"):
+        out = variant.reference(q, k, v, call)
+    else:
+        pattern = variant.pattern(call, q.shape[-2], k.shape[-2])
+        allowed = allowed_mask(call, pattern, q.shape[0], q.shape[1], q.shape[-2], k.shape[-2], q.device)
+        out = softmax_attention(q, k, v, allowed, call.scaling)
+    if call.padding_mask is not None and not call.cross_attention:
+        out = out.masked_fill(~call.padding_mask[:, None, -out.shape[-2] :, None], 0.0)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------
+# plugins written for an older plugin API
+
+
+def plugin_label(cls: type) -> str:
+    """``class Module.Name from distribution D`` (the distribution that installed the class's top-level package)."""
+    top = cls.__module__.split(".")[0]
+    names = importlib.metadata.packages_distributions().get(top) or ["(not installed as a distribution)"]
+    return f"class {cls.__module__}.{cls.__qualname__} from distribution {', '.join(sorted(set(names)))}"
+
+
+def _returning_a_pattern(cls: type, pattern_fn: Callable) -> Callable:
+    """``pattern_fn`` checked: a :class:`Pattern` or None passes; a bare predicate (plugin API 1) is wrapped as a
+    :class:`~zoo.pattern.PredicateOnly` with one DeprecationWarning; anything else is a TypeError naming the fix."""
+    if getattr(pattern_fn, "returns_a_pattern", False):
+        return pattern_fn
+
+    @functools.wraps(pattern_fn)
+    def pattern(self, call, q_len, kv_len):
+        result = pattern_fn(self, call, q_len, kv_len)
+        if result is None or isinstance(result, Pattern):
+            return result
+        if callable(result):
+            _warn_bare_predicate(cls)
+            return PredicateOnly(result)
+        raise TypeError(
+            f"attention-zoo variant {cls.name!r} ({plugin_label(cls)}): pattern() returned a "
+            f"{type(result).__name__}; it must return a zoo.pattern.Pattern (or None when every key is seen). "
+            "Wrap the predicate: return zoo.pattern.Pattern(mask_mod, reach=..., block_size=..., key_blocks=...)."
+        )
+
+    pattern.returns_a_pattern = True
+    return pattern
+
+
+@functools.cache
+def _warn_bare_predicate(cls: type) -> None:
+    warnings.warn(
+        f"attention-zoo variant {cls.name!r} ({plugin_label(cls)}) returns a bare predicate from pattern(), as "
+        f"plugin API 1 (attention-zoo 0.1.0) did. It runs as a pattern without hints: the dense reference, a cache "
+        f"that keeps every key, never FlexAttention. Fix: return zoo.pattern.Pattern(predicate, reach=..., "
+        f"block_size=..., key_blocks=...) (see CHANGELOG.md, plugin API {PLUGIN_API_VERSION}).",
+        DeprecationWarning,
+        stacklevel=3,
+    )

@@ -17,7 +17,7 @@ import transformers
 from zoo.variants.bigbird import BigBirdAttention, fixed_blocks, make_layout
 
 import zoo
-from zoo.dispatch import run_variant
+from zoo.plug.dispatch import run_variant
 from zoo.testing import assert_memory_below_quadratic, assert_reloads_identically, make_call, reference
 from zoo.variant import AttentionCall, VariantParameterError
 

@@ -11,8 +11,8 @@ import transformers
 from zoo.variants.linear import LinearAttention
 
 import zoo
-from zoo.dispatch import run_variant
 from zoo.ops import linear_attention
+from zoo.plug.dispatch import run_variant
 from zoo.testing import assert_memory_below_quadratic
 from zoo.variant import AttentionCall, Variant
 

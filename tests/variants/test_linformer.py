@@ -14,7 +14,7 @@ from zoo.variants.linformer import LengthProjections, LinformerAttention
 import zoo
 from zoo import testing
 from zoo.bench.contestants import QKVProjections, ZooContestant
-from zoo.dispatch import run_variant
+from zoo.plug.dispatch import run_variant
 from zoo.testing import make_call, make_inputs, real_rows, reference
 from zoo.variant import VariantParameterError
 

@@ -13,7 +13,7 @@ from zoo.variants.longformer import LongformerAttention
 
 import zoo
 from zoo import testing
-from zoo.dispatch import run_variant
+from zoo.plug.dispatch import run_variant
 from zoo.testing import LargestAllocation, assert_memory_below_quadratic, reference
 from zoo.variant import AttentionCall, VariantParameterError
 

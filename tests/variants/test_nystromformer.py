@@ -14,8 +14,8 @@ from zoo.variants.nystromformer import NystromformerAttention, ValueConvolution,
 
 import zoo
 from zoo.contract import LargestAllocation
-from zoo.dispatch import run_variant
 from zoo.ops import softmax_attention
+from zoo.plug.dispatch import run_variant
 from zoo.variant import AttentionCall, VariantParameterError
 
 HEADS, DIM = 2, 16

@@ -13,8 +13,8 @@ from torch.profiler import profile
 from zoo.variants.performer import PerformerAttention
 
 import zoo
-from zoo.dispatch import run_variant
 from zoo.ops import allowed_mask, linear_attention_reference, softmax_attention
+from zoo.plug.dispatch import run_variant
 from zoo.testing import assert_reloads_identically
 from zoo.variant import AttentionCall
 

@@ -14,7 +14,7 @@ from zoo.variants.reformer import ReformerAttention, shared_keys
 
 import zoo
 from zoo.contract import LargestAllocation
-from zoo.dispatch import run_variant
+from zoo.plug.dispatch import run_variant
 from zoo.variant import AttentionCall, VariantParameterError
 
 HEADS, DIM = 2, 16

@@ -15,8 +15,8 @@ from zoo.variants.sparse_transformer import SparseTransformerAttention
 
 import zoo
 from zoo import testing
-from zoo.dispatch import run_variant
 from zoo.ops import allowed_mask, softmax_attention
+from zoo.plug.dispatch import run_variant
 from zoo.testing import assert_memory_below_quadratic, assert_reloads_identically, reference
 from zoo.variant import AttentionCall, VariantParameterError
 

@@ -20,7 +20,7 @@ import zoo.variants.xformers as xf
 
 import zoo
 from zoo import testing
-from zoo.dispatch import run_variant
+from zoo.plug.dispatch import run_variant
 from zoo.testing import assert_memory_below_quadratic
 from zoo.variant import AttentionCall
 

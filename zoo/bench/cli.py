@@ -23,7 +23,7 @@ from zoo.bench.decode import (
 from zoo.bench.plan import DEFAULT_LENGTHS, DTYPES, BenchSettings, make_contestants, parse_variant_params
 from zoo.bench.report import write_outputs
 from zoo.bench.run import run_benchmark
-from zoo.ops.flex import attention_backend
+from zoo.plug.backend import attention_backend
 
 QUICK = {"lengths": [512, 1024], "repeats": 1, "warmup": 1, "error_length": 512, "roof_size": 1024,
          "max_seconds": 20.0}

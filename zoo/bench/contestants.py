@@ -14,9 +14,10 @@ import torch
 import transformers
 from torch import nn
 
-from zoo.dispatch import run_variant
+from zoo.plug.dispatch import run_variant
+from zoo.plug.weights import WEIGHTS_NAME, build
+from zoo.registry import variant_source
 from zoo.variant import AttentionCall, LayerWeights, Variant
-from zoo.weights import WEIGHTS_NAME, build
 
 # A pattern in the Variant.pattern style: (call, q_len, kv_len) -> index predicate or None (= every key).
 PatternFn = Any
@@ -85,7 +86,7 @@ class Contestant:
 
 
 class ZooAttentionLayer(nn.Module):
-    """Projections + a zoo variant called through the real plumbing (:func:`zoo.dispatch.run_variant`).
+    """Projections + a zoo variant called through the real plumbing (:func:`zoo.plug.dispatch.run_variant`).
 
     A variant with learned per-layer weights (:meth:`Variant.make_module`) gets them as in a model (seeded, layer 0,
     for a config of this hidden size and heads whose ``max_position_embeddings`` is the benchmark's n), under
@@ -120,7 +121,7 @@ class ZooAttentionLayer(nn.Module):
         )
         if not (isinstance(weights, LayerWeights) and weights.needs_hidden_states):
             return merge_heads(run_variant(self.variant, q, k, v, call))
-        weights.hidden_states = x  # as zoo.weights hands them over inside a model, and drops them after the call
+        weights.hidden_states = x  # as zoo.plug.weights hands them over inside a model, and drops them after the call
         try:
             return merge_heads(run_variant(self.variant, q, k, v, call))
         finally:
@@ -160,7 +161,6 @@ class ZooContestant(Contestant):
         return layer.variant.pattern if self.exact else None
 
     def source(self) -> tuple[str, str]:
-        from zoo.registry import variant_source
 
         src = variant_source(self.name)
         return src.distribution, src.version

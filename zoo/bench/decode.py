@@ -28,9 +28,11 @@ import torch
 from zoo.bench.measure import Runner, measure_idle
 from zoo.bench.plan import History, extrapolate
 from zoo.bench.report import errors_section, grid, machine_info, plot_against_n
-from zoo.lm import TokenClock
+from zoo.plug.install import configure
+from zoo.plug.spec import variant_for
 from zoo.registry import get_variant_class, list_variants
 from zoo.reporting import MB, fixed, human_bytes, markdown_table, write_csv
+from zoo.training.lm import TokenClock
 
 DECODE_LENGTHS = [2048, 8192, 32768, 131072]
 SINK_TOKENS = [0, 1, 2, 3]
@@ -115,7 +117,6 @@ def model_config(contestant: DecodeContestant, settings: DecodeSettings, n: int)
     """The tiny Llama's (or Mistral's) config, configured with the contestant's variant."""
     import transformers
 
-    import zoo
 
     dims = dict(
         vocab_size=settings.vocab, hidden_size=settings.hidden, intermediate_size=2 * settings.hidden,
@@ -130,7 +131,7 @@ def model_config(contestant: DecodeContestant, settings: DecodeSettings, n: int)
         config = transformers.LlamaConfig(**dims)
         config._attn_implementation = "sdpa"
         if contestant.variant is not None:
-            zoo.configure(config, contestant.variant, **contestant.params)
+            configure(config, contestant.variant, **contestant.params)
     return config
 
 
@@ -147,11 +148,10 @@ def cache_refusal(contestant: DecodeContestant, settings: DecodeSettings) -> str
     a design choice the table shows as skipped, not as a failure."""
     if contestant.variant is None:
         return None
-    import zoo
 
     config = model_config(contestant, settings, min(settings.lengths))
     try:
-        zoo.variant_for(config).cache_layer(0, config)
+        variant_for(config).cache_layer(0, config)
     except ValueError as exc:
         return str(exc).split(". ", 1)[0].removeprefix(f"attention-zoo variant {contestant.variant!r} ")
     return None

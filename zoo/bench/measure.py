@@ -20,7 +20,7 @@ import torch
 
 from zoo.bench.contestants import Contestant, QKVProjections, merge_heads
 from zoo.bench.plan import DTYPES, BenchSettings, available_memory_bytes
-from zoo.dispatch import run_variant
+from zoo.plug.dispatch import run_variant
 from zoo.registry import get_variant_class
 from zoo.reporting import describe_error, max_rss_bytes
 from zoo.variant import AttentionCall

@@ -11,7 +11,7 @@ are cached under ``$ATTENTION_ZOO_CACHE`` (default ``~/.cache/attention_zoo``), 
 * ``gutenberg_lm`` -- language modelling on whole books, held-out books for eval (:func:`zoo.data.gutenberg.build_lm`).
 * ``brown_lm`` -- language modelling on Brown documents, split by document (:func:`zoo.data.brown.build_lm`).
 * ``mqar`` -- multi-query associative recall (Zoology), generated locally (:mod:`zoo.data.mqar`); a ``recall`` task:
-  ``input_ids``, ``labels`` (answers only) and ``distance`` columns, scored by :mod:`zoo.recall`.
+  ``input_ids``, ``labels`` (answers only) and ``distance`` columns, scored by :mod:`zoo.training.recall`.
 * ``passkey`` -- a number hidden at a chosen depth of book text, asked for at the end (:mod:`zoo.data.passkey`);
   a ``recall`` task over byte tokens.
 

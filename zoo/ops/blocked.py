@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from zoo.call import AttentionCall
 from zoo.ops.dropout import Dropout, dropout_attention
 from zoo.ops.flash import flash_available
-from zoo.variant import AttentionCall
 
 
 def split_blocks(x: torch.Tensor, block: int) -> torch.Tensor:

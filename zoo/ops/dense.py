@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import repeat_kv
 
+from zoo.call import AttentionCall
 from zoo.pattern import MaskMod, dense_mask
-from zoo.variant import AttentionCall
 
 
 def expand_kv(key: torch.Tensor, value: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,8 +28,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from zoo.call import AttentionCall
 from zoo.ops.flash import flash_backward, flash_forward
-from zoo.variant import AttentionCall
 
 # Scores per chunk (4 MB in fp32): fewer, larger chunks measured faster than 1-2 MB ones (16K, 2 threads).
 CHUNK_ELEMENTS = 2**20

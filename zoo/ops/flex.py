@@ -1,18 +1,6 @@
-"""FlexAttention for exact pattern variants: a ``BlockMask`` built from the variant's pattern (composed with causality
-and padding), cached, and one call of compiled ``torch.nn.attention.flex_attention``.
-
-Which backend runs (:func:`use_flex`), set with :func:`attention_backend` (a context manager) or per process:
-
-* ``"auto"`` (default): Flex only where it was measured to win: on CUDA for the variants in
-  :data:`CUDA_MEASURED` (empty until ``scripts/gpu_check.sh`` has run on a GPU: no CUDA path has run yet, and a
-  kernel that fails to compile there must not be the default); on CPU only for inference (no gradient:
-  FlexAttention has no backward on CPU) and only from the length where it measured faster than the variant's
-  chunked kernel (:data:`CPU_CROSSOVER`; empty: on this 2-core machine Flex lost to the chunked kernels). A call
-  Flex cannot run (attention dropout, decoding steps, learned per-layer weights...) takes the chunked kernel,
-  with one log line per reason.
-* ``"flex"``: every call of an exact pattern variant through Flex; a call it cannot run raises, naming why (tests
-  and benchmarks). Variants without a pattern (dense, approximate) run their own kernel under every backend.
-* ``"chunked"``: the variant's own kernel (``Variant.attend``) always.
+"""FlexAttention for exact patterns: a ``BlockMask`` built from a :class:`~zoo.pattern.Pattern` (composed with
+causality and padding), cached, and one call of compiled ``torch.nn.attention.flex_attention``. Which calls run here
+is the plug's policy (:mod:`zoo.plug.backend`); this module only runs them.
 
 The block mask is never built from an n x n tensor, nor from n² predicate evaluations where the pattern has hints:
 the predicate is evaluated only on the candidate tiles its hints name (``key_blocks``, or ``reach`` with ``sinks``
@@ -30,136 +18,45 @@ specializes on its shape; fixed global offsets capture only one start per row).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import logging
 import math
 import types
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers.masking_utils import and_masks, causal_mask_function
 
+from zoo.call import AttentionCall
 from zoo.pattern import MaskMod, Pattern, TokenSet
-from zoo.variant import AttentionCall, Variant
 
-logger = logging.getLogger(__name__)
-
-BACKENDS = ("auto", "flex", "chunked")
 FLEX_BLOCK = 128  # FlexAttention's tile (its default)
 EVAL_ELEMENTS = 1 << 24  # (query, key) pairs per chunk while evaluating a pattern into block counts
 MASK_CACHE_SIZE = 32
 FINGERPRINT_ELEMENTS = 1 << 20  # captured tensors up to this size count by value, larger ones by identity
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# CPU, eval forward: the length from which compiled Flex beat the variant's chunked kernel (measured, see README).
-# A variant not listed keeps its chunked kernel on CPU under "auto".
-CPU_CROSSOVER: dict[str, int] = {}
-# CUDA: the variants whose Flex path compiled and beat their chunked kernel in scripts/gpu_check.sh (none measured yet).
-CUDA_MEASURED: frozenset[str] = frozenset()
 
-_settings = {"backend": "auto", "compiled": True}
 _masks: OrderedDict[tuple, BlockMask] = OrderedDict()
-
-
-class FlexUnavailableError(ValueError):
-    """``attention_backend("flex")`` was forced for a call FlexAttention cannot run."""
-
-
-@contextlib.contextmanager
-def attention_backend(backend: str, compiled: bool = True) -> Iterator[None]:
-    """Force ``"flex"``, ``"chunked"`` or ``"auto"`` for the exact pattern variants inside the block.
-
-    ``compiled=False`` runs FlexAttention's eager reference (O(n²) memory; it ignores the block mask): for tests only.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"attention backend {backend!r} is unknown; use one of {', '.join(BACKENDS)}.")
-    saved = dict(_settings)
-    _settings.update(backend=backend, compiled=compiled)
-    try:
-        yield
-    finally:
-        _settings.update(saved)
-
-
-def current_backend() -> str:
-    return _settings["backend"]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# which backend
-
-
-def unsupported_reason(
-    variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall
-) -> str | None:
-    """Why Flex cannot run this call of an exact pattern variant (None: it can)."""
-    if q.shape[-2] != k.shape[-2]:
-        return "decoding step (fewer queries than keys): the variant's cache path runs"
-    if call.weights is not None:
-        return "the variant has learned per-layer weights its pattern does not describe"
-    if q.dtype not in DTYPES:
-        return f"dtype {q.dtype} (Flex takes fp32, bf16 and fp16)"
-    if call.training and call.dropout > 0:
-        return f"attention dropout p={call.dropout:g} (FlexAttention has none, pytorch#141784)"
-    if q.device.type == "cpu" and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        return "a gradient is needed and FlexAttention has no backward on CPU"
-    return None
-
-
-def use_flex(variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> bool:
-    """Whether this call runs on Flex under the current backend (forced ``"flex"`` raises when it cannot)."""
-    backend = _settings["backend"]
-    if backend == "chunked" or (backend == "auto" and not _auto_may_pick_flex(variant, q)):
-        return False
-    if not is_pattern_variant(variant, call, q.shape[-2], k.shape[-2]):
-        return False
-    reason = unsupported_reason(variant, q, k, v, call)
-    if reason is None:
-        return True
-    if backend == "flex":
-        raise FlexUnavailableError(
-            f"attention_backend('flex') was forced, but attention-zoo variant {variant.name!r} cannot run this "
-            f"call on FlexAttention: {reason}. Use attention_backend('auto') to fall back to its kernel."
-        )
-    _log_fallback_once(variant.name, reason)
-    return False
-
-
-def _auto_may_pick_flex(variant: Variant, q: torch.Tensor) -> bool:
-    """Only where measured: CUDA for :data:`CUDA_MEASURED`, CPU from :data:`CPU_CROSSOVER` (checked first)."""
-    if q.device.type == "cuda":
-        return variant.name in CUDA_MEASURED
-    return q.shape[-2] >= CPU_CROSSOVER.get(variant.name, math.inf)
-
-
-def is_pattern_variant(variant: Variant, call: AttentionCall, q_len: int, kv_len: int) -> bool:
-    """Exact, with a pattern: the variants the backend choice is about (others always run their own kernel: an
-    approximate one is no restricted softmax, and one without a pattern is dense, where SDPA is the fast kernel)."""
-    return variant.exact and variant.pattern(call, q_len, kv_len) is not None
-
-
-@functools.cache
-def _log_fallback_once(variant: str, reason: str) -> None:
-    logger.info("attention-zoo variant %r runs its chunked kernel instead of FlexAttention: %s.", variant, reason)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # the call
 
 
-def attend(variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+def attend(pattern: Pattern, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall,
+           compiled: bool = True) -> torch.Tensor:
     """(B, H, n, D) queries over (B, H_kv, n, D) keys/values (H a multiple of H_kv: GQA without expanding) ->
-    (B, H, n, D), softmax attention restricted to the variant's pattern, causality and padding."""
+    (B, H, n, D), softmax attention restricted to ``pattern``, causality and padding. ``compiled=False`` runs
+    FlexAttention's eager reference (O(n²) memory: it ignores the block mask), for tests only."""
     n = q.shape[-2]
     length = bucket_length(n, q.device)
-    block_mask = block_mask_for(variant, call, q.shape[0], q.shape[1], n, q.device, length)
+    block_mask = block_mask_for(pattern, call, q.shape[0], q.shape[1], n, q.device, length)
     if length > n:  # the mask hides the padded keys; the padded query rows are cut off
         q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, length - n)) for x in (q, k, v))
-    kernel = _compiled_flex(q.device.type == "cuda") if _settings["compiled"] else flex_attention
+    kernel = _compiled_flex(q.device.type == "cuda") if compiled else flex_attention
     out = kernel(q, k, v, block_mask=block_mask, scale=call.scaling, enable_gqa=q.shape[1] != k.shape[1])
     return out[:, :, :n] if length > n else out
 
@@ -188,12 +85,11 @@ def _compiled_flex(dynamic: bool) -> Callable:
 
 
 def block_mask_for(
-    variant: Variant, call: AttentionCall, batch: int, heads: int, n: int, device, length: int | None = None
+    pattern: Pattern, call: AttentionCall, batch: int, heads: int, n: int, device, length: int | None = None
 ) -> BlockMask:
-    """The cached BlockMask of the variant's pattern for this call (built once per pattern identity and shape), for
-    inputs padded to ``length`` (default n) tokens."""
+    """The cached BlockMask of ``pattern`` for this call (built once per pattern identity and shape), for inputs
+    padded to ``length`` (default n) tokens."""
     length = length or n
-    pattern = variant.pattern(call, n, n)
     key = (_fingerprint(pattern), call.causal, _fingerprint(call.padding_mask), batch, heads, n, length,
            torch.device(device))
     mask = _masks.get(key)
@@ -429,8 +325,6 @@ def _fingerprint(value: Any, depth: int = 0) -> Any:
         return (value.__code__, cells)
     if isinstance(value, (Pattern, TokenSet)):
         return (type(value), *(_fingerprint(getattr(value, f.name), depth + 1) for f in dataclasses.fields(value)))
-    if isinstance(value, Variant):
-        return (type(value), repr(value.config))
     if isinstance(value, AttentionCall):
         return ("call", value.layer_idx, value.causal, _fingerprint(value.padding_mask, depth + 1),
                 _fingerprint(value.extra, depth + 1))

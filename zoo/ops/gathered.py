@@ -21,10 +21,10 @@ from collections.abc import Callable
 
 import torch
 
+from zoo.call import AttentionCall
 from zoo.ops.blocked import rows_attention
 from zoo.ops.dropout import NO_DROPOUT, Dropout, attention_backward, attention_forward
 from zoo.ops.flash import additive_mask, flash_available
-from zoo.variant import AttentionCall
 
 # Gathered key elements per chunk (4 MB in fp32): the chunk's working set stays in cache, and the buffers the
 # flash kernels allocate per chunk stay small enough to be reused from the heap rather than page-faulted afresh.

@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import torch
 
+from zoo.call import AttentionCall
 from zoo.ops.blocked import rows_attention
 from zoo.pattern import MaskMod
-from zoo.variant import AttentionCall
 
 
 def selected_attention(

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from zoo.call import AttentionCall
 from zoo.ops.dropout import Dropout, attention_backward, attention_forward
 from zoo.ops.flash import additive_mask, flash_available
 from zoo.ops.gathered import Allowed, gather_all, gathered_backward, gathered_forward, mask_of
-from zoo.variant import AttentionCall
 
 
 @dataclass

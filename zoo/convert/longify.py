@@ -98,5 +98,5 @@ def check_max_length(model: PreTrainedModel, max_length: int) -> None:
         raise PositionLimitError(
             f"max_length={max_length} exceeds the {capacity} positions of {type(model).__name__} "
             f"({model.config.name_or_path or model.config.model_type}). Set `longify: true` to tile its position "
-            f"table to {max_length} (zoo.longify), or lower max_length to {capacity}."
+            f"table to {max_length} (zoo.convert.longify), or lower max_length to {capacity}."
         )

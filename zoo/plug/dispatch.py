@@ -1,4 +1,4 @@
-"""The attention function transformers calls for every zoo model (registered by :func:`zoo.hf.install`).
+"""The attention function transformers calls for every zoo model (registered by :func:`zoo.plug.install.install`).
 
 :func:`zoo_attention_forward` turns transformers' call into an :class:`~zoo.variant.AttentionCall` once -- causality,
 padding, cross-attention, where each row starts, the decoding cache layer, positions and whether it decodes -- and
@@ -14,11 +14,13 @@ from typing import Any
 import torch
 
 from zoo.cache import LAYER_KWARG, WindowedLayer
-from zoo.hf import CONFIG_KEY, per_config, variant_for
+from zoo.call import AttentionCall
 from zoo.ops import expand_kv, flex
 from zoo.pattern import row_starts
-from zoo.variant import AttentionCall, Variant
-from zoo.weights import WEIGHTS_NAME
+from zoo.plug.backend import compiled, flex_pattern
+from zoo.plug.spec import CONFIG_KEY, per_config, variant_for
+from zoo.plug.weights import WEIGHTS_NAME
+from zoo.variant import Variant
 
 _layer_counters: dict[int, list[int]] = {}  # per config: the next index for families without module.layer_idx
 
@@ -119,8 +121,9 @@ def run_variant(
     if call.causal and not call.decoding and q.shape[-2] < k.shape[-2]:  # a caller of its own (tests, hybrid)
         call = dataclasses.replace(call, decoding=True)
     variant.check_call(call)
-    if flex.use_flex(variant, q, k, v, call):  # FlexAttention hook (zoo.ops.flex): GQA keys stay unexpanded
-        out = flex.attend(variant, q, k, v, call)
+    pattern = flex_pattern(variant, q, k, v, call)  # None: the variant's own kernel (zoo.plug.backend)
+    if pattern is not None:  # FlexAttention: GQA keys stay unexpanded
+        out = flex.attend(pattern, q, k, v, call, compiled=compiled())
     else:
         out = variant.attend(q, *expand_kv(k, v, q.shape[1]), call)
     if call.padding_mask is not None and not call.cross_attention:

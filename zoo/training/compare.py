@@ -51,11 +51,12 @@ from typing import Any
 import yaml
 from tqdm.auto import tqdm
 
-from zoo import recall
 from zoo.data import get_task
-from zoo.recipe_config import FinetuneConfig, check_known_keys, load_yaml
+from zoo.registry import get_variant_class
 from zoo.reporting import fixed, markdown_table, pyplot, save_figure, write_csv
-from zoo.results import package_versions
+from zoo.training import recall
+from zoo.training.config import FinetuneConfig, check_known_keys, load_yaml
+from zoo.training.results import package_versions
 
 COMPARE_KEYS = ("output_dir", "launcher", "seeds", "timeout_minutes", "overrides", "variants", "tasks")
 TASK_KEYS = ("name", "config", "overrides", "variants", "seeds")
@@ -146,16 +147,15 @@ def plan_runs(cfg: dict, output_dir: Path) -> list[Run]:
 def command_for(run_config: Path, launcher: str | None) -> list[str]:
     if launcher:
         accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", launcher, "-m"]
-        return [*accelerate, "zoo.train", str(run_config)]
-    return [sys.executable, "-m", "zoo.train", str(run_config)]
+        return [*accelerate, "zoo.training.finetune", str(run_config)]
+    return [sys.executable, "-m", "zoo.training.finetune", str(run_config)]
 
 
 def unavailable_reason(variant: str) -> str | None:
     """Why a variant cannot run here (not installed, broken plugin), or None. Checked without launching."""
-    import zoo
 
     try:
-        zoo.get_variant_class(variant)
+        get_variant_class(variant)
     except Exception as exc:  # UnknownVariantError, BrokenVariantError, VariantConflictError
         return f"{type(exc).__name__}: {exc}"
     return None
@@ -302,7 +302,7 @@ def mean_loss_by_position(runs: list[list[dict]]) -> list[dict] | None:
 
 
 def training_loss(run_dir: Path) -> list[tuple[int, float]]:
-    """(step, training loss) at each logging step, from the run's ``train_log.jsonl`` (:class:`zoo.results.JsonlLog`;
+    """(step, training loss) at each logging step, from the run's ``train_log.jsonl`` (:class:`~.results.JsonlLog`;
     empty when the run logged none). The curve says whether a run that scores at chance was still learning."""
     log = Path(run_dir) / "train_log.jsonl"
     if not log.is_file():

@@ -23,9 +23,9 @@ import torch
 import transformers
 from transformers import PreTrainedModel
 
-from zoo._patches import compute_global_attention_mask
-from zoo.hf import configure
-from zoo.weights import WEIGHTS_NAME
+from zoo.plug._patches import compute_global_attention_mask
+from zoo.plug.install import configure
+from zoo.plug.weights import WEIGHTS_NAME
 
 ROBERTA_CLASS = {
     "LongformerModel": "RobertaModel",
@@ -80,7 +80,7 @@ def _load_longformer(path_or_model: str | PreTrainedModel, **kwargs: Any) -> Pre
         if config.model_type != "longformer":
             raise NotALongformerError(
                 f"zoo.from_longformer: {path_or_model!r} is a {config.model_type!r} checkpoint, not a Longformer. "
-                "For a BERT/RoBERTa checkpoint, use zoo.configure(model, 'longformer', ...) (and zoo.longify)."
+                "For a BERT/RoBERTa checkpoint, use zoo.configure(model, 'longformer', ...) (and zoo.convert.longify)."
             )
         architecture = next((a for a in config.architectures or [] if a in ROBERTA_CLASS), "LongformerModel")
         model = getattr(transformers, architecture).from_pretrained(path_or_model, **kwargs)

@@ -14,7 +14,7 @@ import socket
 import time
 from pathlib import Path
 
-logger = logging.getLogger("zoo.train")
+logger = logging.getLogger("zoo.training.finetune")
 LOCK_NAME = "run.lock"
 
 

@@ -1,7 +1,7 @@
 """How a run is distributed: refuse launches that cannot run here, run FSDP on CPU, record what really ran.
 
 accelerate 1.15 (verified) reads the launcher's choice from environment variables (``ACCELERATE_USE_FSDP``,
-``ACCELERATE_USE_DEEPSPEED``, ``FSDP_*``). Without an accelerator, zoo.train asks for the CPU (``use_cpu``, the only
+``ACCELERATE_USE_DEEPSPEED``, ``FSDP_*``). Without an accelerator, the fine-tune asks for the CPU (``use_cpu``, the only
 way to get a multi-process gloo group), and accelerate then decides "MULTI_CPU" and drops both plugins: an FSDP or
 DeepSpeed config silently trains with plain DDP. Hence:
 

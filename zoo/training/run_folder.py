@@ -1,6 +1,6 @@
 """One run per output folder, resumes that are exact or refused, checkpoints that are complete or not picked.
 
-* :func:`lock_output_dir` -- the main process locks the folder (:class:`zoo.run_lock.RunLock`); with
+* :func:`lock_output_dir` -- the main process locks the folder (:class:`zoo.training.run_lock.RunLock`); with
   ``overwrite_output_dir`` the previous run's files are removed first, so two runs' files never mix.
 * :func:`resume_plan` -- which checkpoint a resume starts from: a named checkpoint must be complete (model,
   optimizer, scheduler, RNG and trainer state; transformers' Trainer would silently start a fresh optimizer
@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-import zoo
-from zoo import distributed
-from zoo.hf import CONFIG_KEY
-from zoo.recipe_config import FinetuneConfig, resolve_pretrained
-from zoo.run_lock import RunLock
+from zoo.plug.spec import CONFIG_KEY
+from zoo.registry import get_variant_class
+from zoo.training import distributed
+from zoo.training.config import FinetuneConfig, resolve_pretrained
+from zoo.training.run_lock import RunLock
 
-logger = logging.getLogger("zoo.train")
+logger = logging.getLogger("zoo.training.finetune")
 # What a checkpoint needs for an exact resume, besides one RNG file per process: each entry is satisfied by any of its
 # non-empty files or folders (the first is named when none is there). Under FSDP, transformers' Trainer writes the
 # optimizer as optimizer.bin (full state dict) or an optimizer_0 folder (sharded), and adds pytorch_model_fsdp*.
@@ -173,7 +173,7 @@ def check_same_run(cfg: FinetuneConfig, checkpoint: Path) -> None:
     whole run to this config)."""
     saved = json.loads((checkpoint / "config.json").read_text()) if (checkpoint / "config.json").is_file() else {}
     spec = saved.get(CONFIG_KEY) or {}
-    ours = {"variant": cfg.variant, "params": dict(zoo.get_variant_class(cfg.variant)(**cfg.variant_params).config)}
+    ours = {"variant": cfg.variant, "params": dict(get_variant_class(cfg.variant)(**cfg.variant_params).config)}
     theirs = {"variant": spec.get("variant", "(none)"), "params": spec.get("params", {})}
     if json.loads(json.dumps(ours)) != json.loads(json.dumps(theirs)):
         raise ValueError(

@@ -1,6 +1,6 @@
 """Generation-cache policy: ``generate`` decodes a zoo model with its variant's own cache (:mod:`zoo.cache`) without
 any argument (:func:`prepare_generation_cache`, wrapped around transformers' cache preparation in
-:mod:`zoo._patches`); :func:`make_cache` returns one for users who pass ``cache=`` or run their own loop.
+:mod:`zoo.plug._patches`); :func:`make_cache` returns one for users who pass ``cache=`` or run their own loop.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.generation.configuration_utils import GenerationMode
 
 from zoo.cache import CacheRollbackError, ZooCache
-from zoo.hf import IMPLEMENTATION, variant_for, variant_spec
+from zoo.plug.spec import IMPLEMENTATION, variant_for, variant_spec
 from zoo.variant import Variant
 
 
@@ -35,7 +35,7 @@ def _uses_zoo(config: Any) -> bool:
 
 
 def prepare_generation_cache(model: Any, arguments: dict[str, Any], run_original: Callable[[], Any]) -> Any:
-    """``generate``'s cache preparation for zoo models (wrapped in :mod:`zoo._patches`; others run the original).
+    """``generate``'s cache preparation for zoo models (wrapped in :mod:`zoo.plug._patches`; others run the original).
 
     No cache given: the variant's cache replaces transformers' default ``DynamicCache``. A cache given by the
     user is checked (it must hold every key, or be the variant's). Caches that hold keys the kernels do not

@@ -15,13 +15,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
-NO_DISTANCE = -1
+from zoo.cache import cache_nbytes
+from zoo.data.labels import IGNORE_INDEX
+from zoo.reporting import fixed, markdown_table, save_figure
+
 CHANCE_SIGMAS = 3  # an accuracy within this many binomial standard errors of the majority answer's share: at chance
 
 
 # ---------------------------------------------------------------------------------------------------
-# training and evaluation (zoo.train)
+# training and evaluation (zoo.training.finetune)
 
 
 def distance_buckets(max_distance: int) -> list[tuple[int, int]]:
@@ -84,14 +86,13 @@ class RecallAccuracy:
 
 def decoding_state_bytes(model, input_ids: list[int]) -> int:
     """Bytes the decoding cache holds for one sequence after ``generate`` read ``input_ids`` (batch 1)."""
-    import zoo
 
     model.eval()
     prompt = torch.tensor([input_ids], device=model.device)
     with torch.inference_mode():
         output = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=1, do_sample=False,
                                 pad_token_id=model.config.pad_token_id, return_dict_in_generate=True)  # fmt: skip
-    return zoo.cache_nbytes(output.past_key_values)
+    return cache_nbytes(output.past_key_values)
 
 
 def outcome(out: Path, computer: RecallAccuracy, metrics: dict, eval_examples) -> dict:
@@ -111,7 +112,7 @@ def outcome(out: Path, computer: RecallAccuracy, metrics: dict, eval_examples) -
 
 
 # ---------------------------------------------------------------------------------------------------
-# comparison report (zoo.compare)
+# comparison report (zoo.training.compare)
 
 
 def summary_fields(done: list[dict]) -> dict:
@@ -176,7 +177,6 @@ def trust_notes(row: dict, best: dict | None) -> list[str]:
 
 def report_tables(rows: list[dict]) -> list[str]:
     """The recall table (accuracy, state bytes, speed, notes) and accuracy by query-key distance bucket."""
-    from zoo.reporting import fixed, markdown_table
 
     done = [r for r in rows if r["eval_accuracy"] is not None]
     best = max(done, key=lambda r: r["eval_accuracy"], default=None)
@@ -219,7 +219,6 @@ def params_text(params: dict) -> str:
 
 def plot_frontier(plt, task: str, rows: list[dict], path: Path) -> None:
     """Accuracy against decoding state bytes per sequence (log x), one point per entry, error bars over seeds."""
-    from zoo.reporting import save_figure
 
     fig, ax = plt.subplots(figsize=(7, 5))
     for r in rows:
@@ -248,7 +247,6 @@ def draw_baselines(ax, rows: list[dict]) -> None:
 
 def plot_by_distance(plt, task: str, rows: list[dict], path: Path) -> None:
     """Accuracy per query-key distance bucket, one line per entry (x: bucket, log-spaced)."""
-    from zoo.reporting import save_figure
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ticks = {}

@@ -24,7 +24,7 @@ from zoo.reporting import markdown_table, significant
 CARD_NAME = "README.md"
 CONFIG_NAME = "config.json"
 RESULTS_NAME = "results.json"
-SAMPLE_NAME = "sample.json"  # language models: a greedy continuation of a held-out passage (zoo.lm.write_sample)
+SAMPLE_NAME = "sample.json"  # language models: a greedy continuation of a held-out passage (training.lm.write_sample)
 ZOO_TAG = "attention-zoo"
 PLACEHOLDER_REPO_ID = "ORG/NAME"
 
@@ -91,7 +91,7 @@ def write_model_card(output_dir: str | Path, repo_id: str | None = None) -> Path
     """Write README.md (the model card) into ``output_dir`` atomically; returns its path."""
     card = build_model_card(output_dir, repo_id)
     path = Path(output_dir) / CARD_NAME
-    partial = path.with_name(f"_{CARD_NAME}.partial")  # "_*" files are never pushed (zoo.push.IGNORE_PATTERNS)
+    partial = path.with_name(f"_{CARD_NAME}.partial")  # "_*" files are never pushed (zoo.hub.push.IGNORE_PATTERNS)
     card.save(partial)
     os.replace(partial, path)
     return path

@@ -18,12 +18,14 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback
 
-import zoo
 from zoo import data as tasks
-from zoo import lm
 from zoo import metrics as zoo_metrics
-from zoo.recipe_config import FinetuneConfig
+from zoo.hub.card import write_model_card
+from zoo.hub.push import push_folder
+from zoo.plug.spec import variant_spec
 from zoo.reporting import MB, peak_memory_bytes
+from zoo.training import lm
+from zoo.training.config import FinetuneConfig
 
 
 class MetricComputer:
@@ -79,12 +81,12 @@ def package_versions() -> dict[str, str]:
 
 
 def results_record(cfg, model, examples, outcome: dict, speeds: dict, launch: dict, base_model) -> dict:
-    """results.json: what the model card (:mod:`zoo.card`) and :mod:`zoo.compare` read; keep keys stable.
+    """results.json: what the model card (:mod:`zoo.hub.card`) and :mod:`zoo.training.compare` read; keep keys stable.
 
     ``outcome`` is the task kind's part: classification -> num_labels, label_names, metrics (accuracy, macro-F1,
     loss); language modelling -> metrics (token loss, perplexity), loss_by_position, generation.
     """
-    spec = zoo.variant_spec(model.config)
+    spec = variant_spec(model.config)
     return {
         "task": cfg.task,
         "dataset": tasks.task_source(cfg.task, cfg.task_options),
@@ -149,13 +151,11 @@ def lm_outcome(cfg: FinetuneConfig, out: Path, computer: lm.PositionLoss, metric
 
 
 def publish(cfg: FinetuneConfig, out: Path) -> None:
-    """Make the folder Hub-ready (model card, no pickle files) and, when asked, push it (zoo.push)."""
-    from zoo.card import write_model_card
+    """Make the folder Hub-ready (model card, no pickle files) and, when asked, push it (zoo.hub.push)."""
 
     # Trainer.save_model pickles the TrainingArguments; the recipe config is in results.json already.
     (out / transformers.trainer.TRAINING_ARGS_NAME).unlink(missing_ok=True)
     write_model_card(out, repo_id=cfg.hub_model_id)
     if cfg.push_to_hub:
-        from zoo.push import push_folder
 
         push_folder(out, repo_id=cfg.hub_model_id, private=cfg.hub_private)

@@ -18,7 +18,7 @@ Patched symbols (verified on transformers 5.24; the parameters each wrapper reli
   hook between choosing and building the cache; models that override this method (t5gemma, ...) are not on the
   zoo's attention interface anyway.
 * ``PreTrainedModel.post_init`` -- after it, attaches the per-layer learned weights of a variant that declares
-  them (``Variant.make_module``, :mod:`zoo.weights`) to the attention modules of a model configured for the
+  them (``Variant.make_module``, :mod:`zoo.plug.weights`) to the attention modules of a model configured for the
   zoo, so ``from_config`` and ``from_pretrained`` build them before loading and optimizers see them. Every
   model ends ``__init__`` with ``post_init``; transformers has no hook to add submodules at construction.
 * ``PreTrainedModel._initialize_missing_keys`` -- after it, gives the variant weights a checkpoint lacked (a
@@ -28,11 +28,11 @@ Patched symbols (verified on transformers 5.24; the parameters each wrapper reli
 
 Private symbols and calling conventions used elsewhere (``PRIVATE_USES``, each with a canary in
 ``tests/test_patches.py`` that fails naming the library version and the file to update): ``_is_hf_initialized``
-and ``_keys_to_ignore_on_load_missing`` (:mod:`zoo.weights`, through :func:`mark_initialized`, :func:`was_loaded`,
+and ``_keys_to_ignore_on_load_missing`` (:mod:`zoo.plug.weights`, through :func:`mark_initialized`, :func:`was_loaded`,
 :func:`ignore_missing_keys`), ``_can_record_outputs`` (:func:`declared_attention_classes`: the attention modules a
 family declares, instead of searching ``forward``'s source), Longformer's ``_compute_global_attention_mask``
 (:mod:`zoo.convert`), ``cache.update(..., kwargs=attention_kwargs)`` (:mod:`zoo.cache`), and accelerate's shared
-state plus the Trainer's FSDP hooks (:mod:`zoo.distributed`).
+state plus the Trainer's FSDP hooks (:mod:`zoo.training.distributed`).
 
 Rules every patch follows:
 

@@ -11,8 +11,9 @@ after ``torch.manual_seed(seed_for(variant, layer))``, so two processes (or a ch
 weights, see :func:`initialize_missing`) get the same values without touching the global random state.
 
 Attention modules are the classes the model family declares as recording ``attentions`` (what
-``output_attentions`` hooks), found by :func:`zoo._patches.declared_attention_classes`. Each module has a ``config``
-(the plug reads ``module.config`` too). Every private transformers symbol used here is in :mod:`zoo._patches`.
+``output_attentions`` hooks), found by :func:`~zoo.plug._patches.declared_attention_classes`. Each module has a
+``config`` (the plug reads ``module.config`` too). Every private transformers symbol used here is in
+:mod:`zoo.plug._patches`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from zoo import _patches
+from zoo.plug import _patches
 from zoo.variant import LayerWeights, Variant
 
 logger = logging.getLogger(__name__)
@@ -39,10 +40,10 @@ MISSING_KEYS_PATTERN = rf"\.{WEIGHTS_NAME}\."
 def attention_modules(model: nn.Module) -> Iterator[tuple[str, int, nn.Module]]:
     """``(qualified name, layer index, module)`` of every attention module, in model order.
 
-    The attention modules are those the model family declares (:func:`zoo._patches.declared_attention_classes`);
+    The attention modules are those the model family declares (:func:`zoo.plug._patches.declared_attention_classes`);
     for a family that declares none, those whose ``forward`` calls the attention interface.
     The layer index is the module's ``layer_idx`` when the model sets one, else its rank in model order (which is
-    also recorded on the module, so the plug's :func:`zoo.dispatch._layer_index` agrees with it).
+    also recorded on the module, so the plug's :func:`zoo.plug.dispatch._layer_index` agrees with it).
     """
     classes, names = _patches.declared_attention_classes(model)
 
@@ -189,7 +190,7 @@ def _drop_hidden_states(module: nn.Module, args: tuple, output) -> None:
 def initialize_missing(model: nn.Module, variant_of) -> list[str]:
     """After a checkpoint was loaded: give the zoo weights it lacked their deterministic values; log them once.
 
-    transformers marks what it loaded (:func:`zoo._patches.was_loaded`); every other parameter or buffer of a zoo
+    transformers marks what it loaded (:func:`zoo.plug._patches.was_loaded`); every other parameter or buffer of a zoo
     weights module is rebuilt with :func:`build_for` and copied in. Returns the missing state-dict keys.
     """
     if not any(WEIGHTS_NAME in m._modules for m in model.modules()):

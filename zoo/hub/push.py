@@ -21,8 +21,8 @@ from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects, 
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from zoo.card import CARD_NAME, CONFIG_NAME, build_model_card, read_zoo_config, write_model_card
-from zoo.hf import check_saved_spec
+from zoo.hub.card import CARD_NAME, CONFIG_NAME, build_model_card, read_zoo_config, write_model_card
+from zoo.plug.spec import check_saved_spec
 
 logger = logging.getLogger(__name__)
 

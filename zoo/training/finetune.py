@@ -1,9 +1,9 @@
 """Fine-tune a sequence classifier, or train a causal language model, with an attention-zoo variant on long documents.
 
 ``python recipes/finetune.py CONFIG.yaml [--key value ...]``: the YAML holds every setting of
-:class:`~zoo.recipe_config.FinetuneConfig` (parsed and checked in :mod:`zoo.recipe_config`). The output folder is
-locked for the run and resumes are exact or refused (:mod:`zoo.run_folder`); results and publishing are in
-:mod:`zoo.results`.
+:class:`~zoo.training.config.FinetuneConfig` (parsed and checked in :mod:`zoo.training.config`). The output folder is
+locked for the run and resumes are exact or refused (:mod:`zoo.training.run_folder`); results and publishing are in
+:mod:`zoo.training.results`.
 The same command runs under ``accelerate launch`` (any number of processes): training is transformers'
 ``Trainer``, which handles the distribution, gathers evaluation predictions exactly once per example, and
 saves / resumes checkpoints (model, optimizer, scheduler, RNG and data position).
@@ -12,7 +12,7 @@ The task decides the kind of run: a classification task (listops, brown, gutenbe
 ``AutoModelForSequenceClassification``; a language-modelling task (gutenberg_lm, brown_lm) trains an
 ``AutoModelForCausalLM`` on documents cut into ``max_length`` chunks (:mod:`zoo.data.lm`), with a byte-level BPE
 tokenizer trained on the training split when the model is built from scratch, and evaluates loss by token
-position, perplexity, decode speed and a greedy sample (:mod:`zoo.lm`).
+position, perplexity, decode speed and a greedy sample (:mod:`zoo.training.lm`).
 
 The output_dir receives the model (config.json with the variant, model.safetensors), the tokenizer,
 ``results.json`` (see :func:`results_record`), ``train_log.jsonl``, ``trainer_state.json``, the model card, and
@@ -42,38 +42,37 @@ from transformers import (
     TrainingArguments,
 )
 
-import zoo
 from zoo import data as tasks
-from zoo import distributed, lm, recall
+from zoo.convert.longify import check_max_length, longify, position_capacity
 from zoo.data.lm import bpe_tokenizer, chunk_documents
-from zoo.longify import check_max_length, longify, position_capacity
-from zoo.recipe_config import (  # noqa: F401  (importable from zoo.train, as before the split)
+from zoo.plug.install import configure
+from zoo.plug.spec import IMPLEMENTATION
+from zoo.registry import get_variant_class
+from zoo.training import distributed, lm, recall
+from zoo.training.config import (
     FinetuneConfig,
     check_config,
-    check_known_keys,
     is_lm,
     is_recall,
-    load_yaml,
     parse_config,
     resolve_pretrained,
 )
-from zoo.results import (  # noqa: F401
+from zoo.training.results import (
     JsonlLog,
     MetricComputer,
     Throughput,
     classification_outcome,
     lm_outcome,
-    package_versions,
     peak_memory_mb,
     publish,
     results_record,
 )
-from zoo.run_folder import ResumePlan, lock_output_dir, resume_plan
-from zoo.run_folder import Trainer as CheckpointingTrainer
+from zoo.training.run_folder import ResumePlan, lock_output_dir, resume_plan
+from zoo.training.run_folder import Trainer as CheckpointingTrainer
 
 # Config keys that hold attention dropout, by model family (BERT/RoBERTa, Llama/ModernBERT/DistilBERT, GPT-2).
 ATTENTION_DROPOUT_KEYS = ("attention_probs_dropout_prob", "attention_dropout", "attn_pdrop")
-logger = logging.getLogger("zoo.train")
+logger = logging.getLogger("zoo.training.finetune")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -89,7 +88,7 @@ def load_splits(cfg: FinetuneConfig) -> tuple[Any, list[str] | None]:
     if is_lm(cfg):
         return dataset, None  # the subsets are taken from the chunks (prepare_examples)
     if is_recall(cfg):
-        return take_subsets(cfg, dataset), None  # token ids and answer labels already (zoo.recall)
+        return take_subsets(cfg, dataset), None  # token ids and answer labels already (zoo.training.recall)
     return take_subsets(cfg, dataset), dataset["train"].features["label"].names
 
 
@@ -161,7 +160,7 @@ def model_config(cfg: FinetuneConfig, model_path: str | None, tokenizer, label_n
         for key in ATTENTION_DROPOUT_KEYS:
             if hasattr(config, key):
                 setattr(config, key, cfg.attention_dropout)
-    return zoo.configure(config, cfg.variant, **cfg.variant_params)
+    return configure(config, cfg.variant, **cfg.variant_params)
 
 
 def special_token_ids(tokenizer, roles: tuple[str, ...]) -> dict[str, int]:
@@ -194,8 +193,8 @@ def build_model(cfg: FinetuneConfig, model_path: str | None, tokenizer, label_na
         # (forward takes **kwargs), Trainer would assume a summed loss: it would multiply it by the number of
         # processes and skip the division by gradient_accumulation_steps.
         model.accepts_loss_kwargs = False
-    if model.config._attn_implementation != zoo.IMPLEMENTATION:
-        model.set_attn_implementation(zoo.IMPLEMENTATION)
+    if model.config._attn_implementation != IMPLEMENTATION:
+        model.set_attn_implementation(IMPLEMENTATION)
     if cfg.longify and cfg.max_length > position_capacity(model):
         longify(model, cfg.max_length)
     check_max_length(model, cfg.max_length)
@@ -210,7 +209,7 @@ def find_unused_parameters(cfg: FinetuneConfig) -> bool:
     """Whether DDP must look for parameters without a gradient each step: only for a variant that leaves some unused
     by design (``Variant.trains_every_parameter``); the search costs a graph traversal per step, and without it such
     a variant fails at its second step ("Expected to have finished reduction in the prior iteration")."""
-    return not zoo.get_variant_class(cfg.variant)(**cfg.variant_params).trains_every_parameter  # a hybrid: its layers'
+    return not get_variant_class(cfg.variant)(**cfg.variant_params).trains_every_parameter  # a hybrid: its layers'
 
 
 def training_arguments(cfg: FinetuneConfig) -> TrainingArguments:
@@ -238,8 +237,6 @@ def run(cfg: FinetuneConfig) -> dict | None:
     """Run one fine-tune; returns the results record on the main process (None elsewhere, and for a finished run)."""
     started = time.perf_counter()
     check_config(cfg)
-    if cfg.push_to_hub:
-        import zoo.push  # noqa: F401  (fail now, not after training)
     lock = lock_output_dir(cfg)
     try:
         plan = resume_plan(cfg)

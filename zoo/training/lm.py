@@ -17,7 +17,8 @@ import numpy as np
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-IGNORE_INDEX = -100
+from zoo.data.labels import IGNORE_INDEX
+
 DECODE_SPEED_METHOD = (
     "greedy generate() after a warm-up call, batch 1: (new tokens - 1) / time from the first to the last new token "
     "(streamer time stamps; prefill excluded and reported as prefill_seconds)"

@@ -34,13 +34,26 @@ import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import zoo
-from zoo.dispatch import run_variant
+from zoo.cache import RecurrentLayer, WindowedLayer, cache_nbytes
 from zoo.ops import allowed_mask, softmax_attention
 from zoo.pattern import row_starts
+from zoo.plug.dispatch import run_variant
+from zoo.plug.generation import make_cache
+from zoo.plug.install import configure
+from zoo.plug.spec import IMPLEMENTATION, variant_spec
+from zoo.plug.weights import WEIGHTS_NAME, build
 from zoo.registry import get_variant_class
-from zoo.variant import AttentionCall, Variant
-from zoo.weights import WEIGHTS_NAME, build
+from zoo.variant import AttentionCall, Variant, reference
+
+__all__ = [
+    "ATOL", "BATCH", "HEADS", "HEAD_DIM", "MEMORY_CHECK_LENGTH", "N", "REAL_LENGTH", "LargestAllocation",
+    "allowed_mask", "assert_cache_bytes_bounded", "assert_decodes_like_the_full_forward", "assert_matches_reference",
+    "assert_memory_below_quadratic", "assert_reloads_identically", "assert_weights_train_and_reload", "causal_lm",
+    "declares_bounded_cache", "declares_subquadratic_memory", "declares_weights", "decode_prompts",
+    "decoding_refusal", "greedy", "largest_allocation", "make_call", "make_inputs", "make_variant", "make_weights",
+    "model_inputs", "modes", "real_rows", "reference", "relative_error", "run_variant", "softmax_attention",
+    "tiny_model_config",
+]  # fmt: skip
 
 BATCH, HEADS, N, HEAD_DIM = 2, 2, 100, 16
 REAL_LENGTH = 73  # real tokens in the second (padded) row
@@ -138,7 +151,7 @@ def tiny_model_config(family: str, name: str, **params) -> transformers.Pretrain
         config = transformers.LlamaConfig(**common, num_key_value_heads=2, attention_dropout=0.0, pad_token_id=0)
     else:
         raise ValueError(f"tiny_model_config: unknown family {family!r}; use 'bert', 'modernbert' or 'llama'.")
-    return zoo.configure(config, name, **{**get_variant_class(name).test_params, **params})
+    return configure(config, name, **{**get_variant_class(name).test_params, **params})
 
 
 def model_inputs(n: int = N, batch: int = BATCH, vocab_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,21 +165,6 @@ def model_inputs(n: int = N, batch: int = BATCH, vocab_size: int = 64) -> tuple[
 
 # ------------------------------------------------------------------------------------------------------
 # the reference and comparisons
-
-
-def reference(variant: Variant, q, k, v, call: AttentionCall) -> torch.Tensor:
-    """What the kernel must equal (exact) or approximate: the variant's own ``reference`` if it defines
-    one, else softmax attention restricted to its pattern, causality and padding (O(n²), tests only).
-    Padded query rows are zero, as :func:`zoo.dispatch.run_variant` makes them."""
-    if variant.overrides("reference"):
-        out = variant.reference(q, k, v, call)
-    else:
-        pattern = variant.pattern(call, q.shape[-2], k.shape[-2])
-        allowed = allowed_mask(call, pattern, q.shape[0], q.shape[1], q.shape[-2], k.shape[-2], q.device)
-        out = softmax_attention(q, k, v, allowed, call.scaling)
-    if call.padding_mask is not None and not call.cross_attention:
-        out = out.masked_fill(~call.padding_mask[:, None, -out.shape[-2] :, None], 0.0)
-    return out
 
 
 def real_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -275,11 +273,11 @@ def assert_reloads_identically(
         folder = Path(path if path is not None else tmp)
         model.save_pretrained(folder)
         reloaded = type(model).from_pretrained(folder).eval()
-    saved, loaded = zoo.variant_spec(model.config), zoo.variant_spec(reloaded.config)
+    saved, loaded = variant_spec(model.config), variant_spec(reloaded.config)
     if saved is not None:
         if loaded is None or (loaded["variant"], loaded["params"]) != (saved["variant"], saved["params"]):
             raise AssertionError(f"the reloaded model's attention-zoo entry {loaded} differs from the saved {saved}")
-        if reloaded.config._attn_implementation != zoo.IMPLEMENTATION:
+        if reloaded.config._attn_implementation != IMPLEMENTATION:
             raise AssertionError(f"the reloaded model runs {reloaded.config._attn_implementation!r}, not the zoo")
     with torch.no_grad():
         after = reloaded(**inputs)[0]
@@ -342,7 +340,7 @@ def greedy(model: transformers.PreTrainedModel, ids, mask, new_tokens: int = DEC
 def decoding_refusal(model: transformers.PreTrainedModel) -> str | None:
     """The variant's documented refusal to decode with a cache (its ``cache_layer`` raises), or None."""
     try:
-        zoo.make_cache(model)
+        make_cache(model)
     except (ValueError, NotImplementedError) as exc:
         return str(exc)
     return None
@@ -375,11 +373,10 @@ def assert_decodes_like_the_full_forward(name: str, **params) -> None:
 
 def declares_bounded_cache(name: str, **params) -> bool:
     """True when the variant decodes with a cache that does not grow with the context (windowed or recurrent)."""
-    from zoo.cache import RecurrentLayer, WindowedLayer
 
     config = tiny_model_config("llama", name, **params)
     try:
-        cache = zoo.make_cache(config)
+        cache = make_cache(config)
     except (ValueError, NotImplementedError):
         return False
     return all(isinstance(layer, (WindowedLayer, RecurrentLayer)) for layer in cache.layers)
@@ -387,7 +384,6 @@ def declares_bounded_cache(name: str, **params) -> bool:
 
 def assert_cache_bytes_bounded(name: str, lengths: tuple[int, int] = (64, 96), **params) -> None:
     """A bounded cache holds the same bytes after decoding from prompts of two lengths."""
-    from zoo.cache import cache_nbytes
 
     model = causal_lm(name, **params)
     sizes = []

@@ -1,0 +1,117 @@
+"""Which kernel runs an exact pattern variant's call: its own chunked kernel or FlexAttention (:mod:`zoo.ops.flex`).
+
+Set with :func:`attention_backend` (a context manager):
+
+* ``"auto"`` (default): Flex only where it was measured to win: on CUDA for the variants in :data:`CUDA_MEASURED`,
+  on CPU for inference from the length in :data:`CPU_CROSSOVER` (both empty: see README, "Backends"). A call Flex
+  cannot run (attention dropout, decoding steps, learned per-layer weights...) takes the chunked kernel, with one
+  log line per reason.
+* ``"flex"``: every call of an exact pattern variant through Flex; a call it cannot run raises, naming why (tests
+  and benchmarks). Variants without a pattern (dense, approximate) run their own kernel under every backend.
+* ``"chunked"``: the variant's own kernel (``Variant.attend``) always.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+from collections.abc import Iterator
+
+import torch
+
+from zoo.call import AttentionCall
+from zoo.ops.flex import DTYPES
+from zoo.pattern import Pattern
+from zoo.variant import Variant
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "flex", "chunked")
+# CPU, eval forward: the length from which compiled Flex beat the variant's chunked kernel (measured, see README).
+# A variant not listed keeps its chunked kernel on CPU under "auto".
+CPU_CROSSOVER: dict[str, int] = {}
+# CUDA: the variants whose Flex path compiled and beat their chunked kernel in scripts/gpu_check.sh (none measured yet).
+CUDA_MEASURED: frozenset[str] = frozenset()
+
+_settings = {"backend": "auto", "compiled": True}
+
+
+class FlexUnavailableError(ValueError):
+    """``attention_backend("flex")`` was forced for a call FlexAttention cannot run."""
+
+
+@contextlib.contextmanager
+def attention_backend(backend: str, compiled: bool = True) -> Iterator[None]:
+    """Force ``"flex"``, ``"chunked"`` or ``"auto"`` for the exact pattern variants inside the block.
+
+    ``compiled=False`` runs FlexAttention's eager reference (O(n²) memory; it ignores the block mask): for tests only.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r} is unknown; use one of {', '.join(BACKENDS)}.")
+    saved = dict(_settings)
+    _settings.update(backend=backend, compiled=compiled)
+    try:
+        yield
+    finally:
+        _settings.update(saved)
+
+
+def compiled() -> bool:
+    """Whether Flex runs compiled (False only inside ``attention_backend(..., compiled=False)``)."""
+    return _settings["compiled"]
+
+
+def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> str | None:
+    """Why Flex cannot run this call of an exact pattern variant (None: it can)."""
+    if q.shape[-2] != k.shape[-2]:
+        return "decoding step (fewer queries than keys): the variant's cache path runs"
+    if call.weights is not None:
+        return "the variant has learned per-layer weights its pattern does not describe"
+    if q.dtype not in DTYPES:
+        return f"dtype {q.dtype} (Flex takes fp32, bf16 and fp16)"
+    if call.training and call.dropout > 0:
+        return f"attention dropout p={call.dropout:g} (FlexAttention has none, pytorch#141784)"
+    if q.device.type == "cpu" and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        return "a gradient is needed and FlexAttention has no backward on CPU"
+    return None
+
+
+def flex_pattern(
+    variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall
+) -> Pattern | None:
+    """The pattern to run on Flex for this call under the current backend, or None for the variant's own kernel
+    (forced ``"flex"`` raises when Flex cannot run the call). The pattern is built once, here."""
+    backend = _settings["backend"]
+    if backend == "chunked" or (backend == "auto" and not _auto_may_pick_flex(variant, q)):
+        return None
+    if not variant.exact:  # an approximate variant is no restricted softmax
+        return None
+    pattern = variant.pattern(call, q.shape[-2], k.shape[-2])
+    if pattern is None:  # dense: SDPA is the fast kernel
+        return None
+    reason = unsupported_reason(q, k, v, call)
+    if reason is None and not pattern.runs_on_flex:
+        reason = "its pattern() returns a bare predicate without hints (plugin API 1)"
+    if reason is None:
+        return pattern
+    if backend == "flex":
+        raise FlexUnavailableError(
+            f"attention_backend('flex') was forced, but attention-zoo variant {variant.name!r} cannot run this "
+            f"call on FlexAttention: {reason}. Use attention_backend('auto') to fall back to its kernel."
+        )
+    _log_fallback_once(variant.name, reason)
+    return None
+
+
+def _auto_may_pick_flex(variant: Variant, q: torch.Tensor) -> bool:
+    """Only where measured: CUDA for :data:`CUDA_MEASURED`, CPU from :data:`CPU_CROSSOVER` (checked first)."""
+    if q.device.type == "cuda":
+        return variant.name in CUDA_MEASURED
+    return q.shape[-2] >= CPU_CROSSOVER.get(variant.name, math.inf)
+
+
+@functools.cache
+def _log_fallback_once(variant: str, reason: str) -> None:
+    logger.info("attention-zoo variant %r runs its chunked kernel instead of FlexAttention: %s.", variant, reason)

@@ -1,0 +1,143 @@
+"""Registration with transformers and :func:`configure`: the attention function (:mod:`zoo.plug.dispatch`) and an O(n)
+padding-mask function under one implementation name (:data:`zoo.plug.spec.IMPLEMENTATION`), ``generate``'s cache
+policy (:mod:`zoo.plug.generation`), the variant's learned weights (:mod:`zoo.plug.weights`), and config persistence
+(:mod:`zoo.plug._patches`).
+
+``save_pretrained`` does not write the implementation name by itself; we add ``"attn_implementation":
+IMPLEMENTATION`` to config dicts that carry a zoo variant, so ``AutoModel.from_pretrained`` selects it again (and,
+without attention-zoo installed, transformers refuses the unknown implementation -- whose name says ``pip install
+attention-zoo`` -- instead of silently running dense attention).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from transformers import AttentionInterface, AttentionMaskInterface, PretrainedConfig, PreTrainedModel
+from transformers.masking_utils import flash_attention_mask
+
+from zoo.plug import _patches
+from zoo.plug.dispatch import zoo_attention_forward
+from zoo.plug.generation import prepare_generation_cache
+from zoo.plug.spec import (
+    CONFIG_KEY,
+    IMPLEMENTATION,
+    check_model_supported,
+    is_decoder_only,
+    variant_for,
+    zoo_variant_of,
+)
+from zoo.plug.weights import attach, initialize_missing
+from zoo.registry import get_variant_class, variant_source
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------------
+# configure
+
+
+def configure(target: PretrainedConfig | PreTrainedModel, name: str, **params: Any):
+    """Make a transformers config (or an instantiated model) use variant ``name`` with ``params``.
+
+    Parameters are validated now (a bad value raises naming the parameter and its allowed range).
+    Returns the config or model it was given.
+    """
+    install()
+    model = target if isinstance(target, PreTrainedModel) else None
+    config = model.config if model is not None else target
+    if not isinstance(config, PretrainedConfig):
+        raise TypeError(f"zoo.configure expects a transformers config or model, got {type(target).__name__}")
+    check_model_supported(config, model)
+    variant = get_variant_class(name)(**params)
+    if is_decoder_only(config) and not variant.supports_causal:  # an instance may refine it (a hybrid's layers)
+        raise ValueError(
+            f"attention-zoo variant {name!r} does not support causal attention, but {config.model_type!r} is a "
+            f"causal decoder. Pick a variant with causal support (see `zoo list`)."
+        )
+    source = variant_source(name)
+    setattr(
+        config,
+        CONFIG_KEY,
+        {
+            "variant": name,
+            "params": dict(variant.config),
+            "package": source.distribution,
+            "version": source.version,
+            "state": {},
+        },
+    )
+    if _is_bidirectional_mask_model(config):
+        _warn_sliding_window(config, name)
+    config._attn_implementation = IMPLEMENTATION
+    if model is not None:
+        model.set_attn_implementation(IMPLEMENTATION)
+        attach(model, zoo_variant_of, replace=True)
+    return target
+
+
+def _is_bidirectional_mask_model(config: PretrainedConfig) -> bool:
+    return getattr(config, "local_attention", None) is not None  # ModernBERT's local layers
+
+
+def _warn_sliding_window(config: PretrainedConfig, name: str) -> None:
+    logger.warning(
+        "%s uses a %s-token sliding window on its local layers; the attention-zoo variant %r replaces the "
+        "attention of every layer and does not apply that window.",
+        config.model_type,
+        config.local_attention,
+        name,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# registration and persistence
+
+_installed = False
+
+
+def install() -> None:
+    """Register the attention and mask functions with transformers and teach configs to save the variant.
+
+    Runs on ``import zoo``, so it happens in every process an ``accelerate launch`` starts.
+    """
+    global _installed
+    if _installed:
+        return
+    AttentionInterface.register(IMPLEMENTATION, zoo_attention_forward)
+    # The flash-style mask function yields the 2-D (batch, seq) padding mask (or None): O(n), never n x n.
+    AttentionMaskInterface.register(IMPLEMENTATION, flash_attention_mask)
+    _patches.apply(
+        saved_implementation=_saved_implementation,
+        check_model=_check_model_can_run,
+        prepare_generation_cache=prepare_generation_cache,
+        model_built=_attach_weights,
+        checkpoint_loaded=_initialize_missing_weights,
+    )
+    _installed = True
+
+
+def _saved_implementation(config: PretrainedConfig) -> str | None:
+    """What config.json records as ``attn_implementation``: ours for configs that carry a zoo variant."""
+    if getattr(config, CONFIG_KEY, None) and getattr(config, "_attn_implementation", None) == IMPLEMENTATION:
+        return IMPLEMENTATION
+    return None
+
+
+def _check_model_can_run(model: PreTrainedModel, requested: str | None) -> None:
+    """At model construction, not at the first forward: the family calls the interface, the variant is here."""
+    if requested == IMPLEMENTATION:
+        check_model_supported(model.config, model)
+        variant_for(model.config)
+
+
+def _attach_weights(model: PreTrainedModel) -> None:
+    """End of a model's __init__ (from_config and from_pretrained): the variant's per-layer weights, if any."""
+    if zoo_variant_of(model.config) is not None:
+        attach(model, zoo_variant_of)
+
+
+def _initialize_missing_weights(model: PreTrainedModel) -> None:
+    """After a checkpoint was loaded: deterministic values for the variant weights it lacked, one log line."""
+    initialize_missing(model, zoo_variant_of)
