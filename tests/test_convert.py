@@ -7,7 +7,7 @@ import torch
 import transformers
 
 import zoo
-from zoo.convert import NotALongformerError, from_longformer, longformer_global_attention_mask
+from zoo.convert.longformer import NotALongformerError, from_longformer, longformer_global_attention_mask
 from zoo.plug.weights import WEIGHTS_NAME
 
 VOCAB = 100

@@ -5,25 +5,26 @@ from __future__ import annotations
 import argparse
 import sys
 
-from zoo.registry import get_variant_class, list_variants, variant_source
+from zoo import bench
+from zoo.hub import push
+from zoo.registry import get_variant_class, names_with_sources, problem, source_of
 
 
 def variant_table() -> list[dict[str, str]]:
+    """One row per announced variant; a broken one (it fails to import, or raises when built, asked for its pattern
+    or its cache) says so with the reason, and the others are listed as usual."""
     rows = []
-    for name in list_variants():
-        info = get_variant_class(name).describe()
-        source = variant_source(name)
-        rows.append(
-            {
-                "name": name,
-                "kind": info["kind"],
-                "modes": info["modes"],
-                "time": info["time"],
-                "memory": info["memory"],
-                "params": ", ".join(f"{k}={v!r}" for k, v in info["params"].items()) or "-",
-                "package": f"{source.distribution} {source.version}".strip(),
-            }
-        )
+    for name in names_with_sources():
+        source = source_of(name)
+        row = {"name": name, "kind": "-", "modes": "-", "time": "-", "memory": "-", "params": "-",
+               "package": f"{source.distribution} {source.version}".strip()}
+        reason = problem(name)
+        if reason is None:
+            info = get_variant_class(name).describe()
+            row.update(kind=info["kind"], modes=info["modes"], time=info["time"], memory=info["memory"],
+                       params=", ".join(f"{k}={v!r}" for k, v in info["params"].items()) or "-")
+        row["status"] = "ok" if reason is None else f"broken: {reason}"
+        rows.append(row)
     return rows
 
 
@@ -47,27 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("list", help="table of the available attention variants")
     p.set_defaults(func=cmd_list)
-    for register in _subcommand_registrars():
-        register(sub)
+    for module in (bench, push):  # subcommands living in other modules expose add_subcommand(subparsers)
+        module.add_subcommand(sub)
     return parser
 
 
-def _subcommand_registrars():
-    """Subcommands living in other modules (bench, push, ...) expose ``add_subcommand(subparsers)``."""
-    import importlib
-
-    for module in ("zoo.bench", "zoo.hub.push"):
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
-            continue
-        yield mod.add_subcommand
-
-
 def main(argv: list[str] | None = None) -> int:
-
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -12,7 +12,8 @@ import warnings
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
-from zoo.variant import Variant
+from zoo.call import AttentionCall
+from zoo.variant import Param, Variant
 
 ENTRY_POINT_GROUP = "attention_zoo.variants"
 IN_PROCESS = "<in-process>"
@@ -94,10 +95,21 @@ def _discover() -> None:
 
 
 def _check_variant_class(cls: object, ep_name: str) -> None:
+    """What the zoo needs of a variant class before anything uses it; the error says what to change."""
     if not (isinstance(cls, type) and issubclass(cls, Variant)):
         raise TypeError(f"entry point {ep_name!r} must point to a zoo.Variant subclass, got {cls!r}")
     if cls.name != ep_name:
         raise TypeError(f"entry point name {ep_name!r} differs from the variant's name {cls.name!r}")
+    if not isinstance(cls.params, dict) or not all(isinstance(p, Param) for p in cls.params.values()):
+        raise TypeError(
+            f"variant {ep_name!r}: `params` must map each parameter name to a zoo.Param (e.g. params = "
+            f"{{'window': Param(256, int, min=1)}}), got {cls.params!r}."
+        )
+    unknown = sorted(set(cls.test_params) - set(cls.params))
+    if unknown:
+        raise TypeError(f"variant {ep_name!r}: `test_params` names {unknown[0]!r}, which is not in `params`.")
+    if not (cls.supports_causal or cls.supports_bidirectional):
+        raise TypeError(f"variant {ep_name!r}: set supports_causal or supports_bidirectional (or both) to True.")
 
 
 def register_variant(cls: type[Variant]) -> type[Variant]:
@@ -147,3 +159,35 @@ def get_variant_class(name: str) -> type[Variant]:
 def variant_source(name: str) -> Source:
     get_variant_class(name)
     return _entries[name].source
+
+
+def source_of(name: str) -> Source:
+    """Where an announced name comes from, broken or not (:func:`variant_source` raises for a broken one)."""
+    _discover()
+    return _entries[name].source
+
+
+def problem(name: str) -> str | None:
+    """Why variant ``name`` cannot run, or None: it failed to import or is claimed twice, or it raises when built
+    with its default parameters, asked for its pattern (in each mode it supports) or for its decoding cache (a ValueError or NotImplementedError
+    there is a refusal to decode with a cache, by design). What
+    ``zoo list`` shows in its status column; the contract suite turns the same errors into that variant's failures."""
+    try:
+        cls = get_variant_class(name)
+        variant = cls()
+        for causal in [m for m, ok in ((True, cls.supports_causal), (False, cls.supports_bidirectional)) if ok]:
+            variant.pattern(AttentionCall(causal=causal, scaling=1.0), 64, 64)
+        if cls.supports_causal:
+            try:
+                variant.cache_layer(0, None)
+            except (ValueError, NotImplementedError):
+                pass  # a documented refusal to decode with a cache (reformer's), not a breakage
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def names_with_sources() -> list[str]:
+    """Every name a plugin announced, broken ones included (``zoo list``)."""
+    _discover()
+    return sorted(_entries)
