@@ -168,10 +168,10 @@ def source_of(name: str) -> Source:
 
 
 def problem(name: str) -> str | None:
-    """Why variant ``name`` cannot run, or None: it failed to import or is claimed twice, or it raises when built
-    with its default parameters, asked for its pattern (in each mode it supports) or for its decoding cache (a ValueError or NotImplementedError
-    there is a refusal to decode with a cache, by design). What
-    ``zoo list`` shows in its status column; the contract suite turns the same errors into that variant's failures."""
+    """Why variant ``name`` cannot run, or None: it failed to import or is claimed twice, or it raises when built with
+    its default parameters, asked for its pattern (in each mode it supports) or for its decoding cache (there, a
+    ValueError or NotImplementedError is a refusal to decode with a cache, by design). ``zoo list`` shows it; the
+    contract suite turns the same errors into that variant's failures."""
     try:
         cls = get_variant_class(name)
         variant = cls()

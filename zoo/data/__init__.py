@@ -42,6 +42,11 @@ class Task:
     cache: bool = True
     kind: str = "classification"  # or "lm" (causal language modelling), "recall" (causal LM scored on answers)
 
+    @property
+    def trains_causal_lm(self) -> bool:
+        """The model predicts the next token (``lm``, ``recall``): only causal variants and decoder models fit."""
+        return self.kind != "classification"
+
 
 TASKS: dict[str, Task] = {
     "listops": Task(listops.build, listops.SOURCE, tokenizer=listops.tokenizer),

@@ -53,9 +53,9 @@ from tqdm.auto import tqdm
 
 from zoo.data import get_task
 from zoo.registry import get_variant_class
-from zoo.reporting import fixed, markdown_table, pyplot, save_figure, write_csv
-from zoo.training import recall
+from zoo.reporting import pyplot, save_figure, write_csv
 from zoo.training.config import FinetuneConfig, check_known_keys, load_yaml
+from zoo.training.kinds import KINDS
 from zoo.training.results import package_versions
 
 COMPARE_KEYS = ("output_dir", "launcher", "seeds", "timeout_minutes", "overrides", "variants", "tasks")
@@ -65,13 +65,7 @@ SPEED_COLUMNS = (
     "train_tokens_per_second", "eval_tokens_per_second", "decode_tokens_per_second", "peak_memory_mb",
     "wall_time_seconds",
 )  # fmt: skip
-# The headline metric of a task kind: results.json key and its label (accuracy: higher is better; perplexity: lower).
 FAILED = ("failed", "timeout")  # statuses that make the command exit non-zero (after writing the report)
-HEADLINE = {"classification": ("eval_accuracy", "accuracy"), "lm": ("eval_perplexity", "perplexity"),
-            "recall": ("eval_accuracy", "accuracy")}
-RECALL_COLUMNS = (  # recall tasks
-    "decoding_state_bytes", "majority_accuracy", "guess_accuracy", "answers", "accuracy_by_distance"
-)
 
 
 @dataclass
@@ -81,7 +75,7 @@ class Run:
     seed: int
     config: dict
     run_dir: Path
-    kind: str = "classification"  # the task's kind: classification | lm
+    kind: str = "classification"  # the task's kind, a key of zoo.training.kinds.KINDS
 
 
 @dataclass
@@ -255,8 +249,7 @@ def row_for(run: Run, outcome: Outcome) -> dict[str, Any]:
     row.update({key: results.get(key) for key in SPEED_COLUMNS})
     row["loss_by_position"] = results.get("loss_by_position")
     row["training_loss"] = training_loss(run.run_dir)
-    if run.kind == "recall":
-        row.update({key: results.get(key) for key in RECALL_COLUMNS})
+    row.update({key: results.get(key) for key in KINDS[run.kind].result_columns})
     row.update({"num_processes": results.get("num_processes"), "run_dir": str(run.run_dir)})
     return row
 
@@ -283,8 +276,9 @@ def summarize(rows: list[dict]) -> list[dict]:
                 entry[f"{key}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0 if values else None
         entry["loss_by_position"] = mean_loss_by_position([r["loss_by_position"] for r in done])
         entry["training_loss"] = mean_training_loss([r["training_loss"] for r in done])
-        if first["kind"] == "recall":
-            entry.update(recall.summary_fields(done))
+        summary_fields = KINDS[first["kind"]].summary_fields
+        if summary_fields is not None:
+            entry.update(summary_fields(done))
         summary.append(entry)
     return summary
 
@@ -335,68 +329,18 @@ def markdown_report(cfg: dict, summary: list[dict], config_path: str, minutes: f
     for task in dict.fromkeys(r["task"] for r in summary):
         rows = [r for r in summary if r["task"] == task]
         lines += ["", f"## {task}", ""]
-        lines += TABLES[rows[0]["kind"]](rows)
+        kind = KINDS[rows[0]["kind"]]
+        lines += kind.tables(rows)
         notes = [r for r in rows if r["error"]]
         if notes:
             lines += ["", "Failures and notes:", ""]
             lines += [f"- **{r['name']}** ({r['status']}): {r['error']}" for r in notes]
-        metric, label = HEADLINE[rows[0]["kind"]]
+        label = kind.headline[1]
         lines += ["", f"![LRA-style chart]({plot_name('lra', task)})", f"![{label}]({plot_name(label, task)})"]
-        if rows[0]["kind"] == "lm":
-            lines.append(f"![loss by position]({plot_name('loss_by_position', task)})")
         if any(r["training_loss"] for r in rows):
             lines.append(f"![training loss]({plot_name('training_loss', task)})")
-        if rows[0]["kind"] == "recall":
-            lines.append(f"![recall vs decoding state]({plot_name('frontier', task)})")
-            lines.append(f"![accuracy by distance]({plot_name('accuracy_by_distance', task)})")
+        lines += [f"![{alt}]({plot_name(name, task)})" for alt, name in kind.images]
     return "\n".join(lines) + "\n"
-
-
-def _mean_std(row: dict, key: str) -> str:
-    """``mean ± std`` over several seeds; with one seed no ± (there is no spread to show)."""
-    return recall.accuracy_cell(row[key], row[f"{key}_std"], row.get("seeds_ok", 1))
-
-
-def _params(row: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in row["variant_params"].items()) or "–"
-
-
-def classification_table(rows: list[dict]) -> list[str]:
-    header = ["variant", "params", "max_length", "accuracy", "macro-F1", "train tok/s", "eval tok/s", "peak MB",
-              "wall s", "status"]  # fmt: skip
-    speeds = ("train_tokens_per_second", "eval_tokens_per_second", "peak_memory_mb", "wall_time_seconds")
-    table = [
-        [r["name"], _params(r), r["max_length"], _mean_std(r, "eval_accuracy"), _mean_std(r, "eval_macro_f1"),
-         *(fixed(r[key], 0, grouping=True) for key in speeds), r["status"]]
-        for r in rows
-    ]  # fmt: skip
-    return markdown_table(header, table, align="llrrrrrrrl")
-
-
-def lm_tables(rows: list[dict]) -> list[str]:
-    """The main table (loss, perplexity, speeds, memory) and the loss-by-position table (one column per bucket)."""
-    header = ["variant", "params", "max_length", "eval loss", "perplexity", "train tok/s", "decode tok/s",
-              "peak MB", "wall s", "status"]  # fmt: skip
-    speeds = ("train_tokens_per_second", "decode_tokens_per_second", "peak_memory_mb", "wall_time_seconds")
-    table = [
-        [r["name"], _params(r), r["max_length"], _mean_std(r, "eval_loss"), fixed(r["eval_perplexity"], 1),
-         *(fixed(r[key], 0, grouping=True) for key in speeds), r["status"]]
-        for r in rows
-    ]  # fmt: skip
-    lines = markdown_table(header, table, align="llrrrrrrrl")
-    buckets = max((r["loss_by_position"] or [] for r in rows), key=len)
-    if buckets:
-        lines += ["", "Mean eval loss by token position (a token at position p is predicted from the p tokens of its "
-                  "own document before it; lower late buckets = far context used):", ""]  # fmt: skip
-        table = []
-        for r in rows:
-            losses = {b["bucket"]: b["loss"] for b in r["loss_by_position"] or []}
-            table.append([r["name"], *(fixed(losses.get(b["bucket"]), 3) for b in buckets)])
-        lines += markdown_table(["variant", *(b["bucket"] for b in buckets)], table, align="l" + "r" * len(buckets))
-    return lines
-
-
-TABLES = {"classification": classification_table, "lm": lm_tables, "recall": recall.report_tables}
 
 
 def plot_name(kind: str, task: str) -> str:
@@ -407,7 +351,8 @@ def write_plots(summary: list[dict], out: Path) -> None:
     plt = pyplot()
     for task in dict.fromkeys(r["task"] for r in summary):
         rows = [r for r in summary if r["task"] == task]
-        metric, label = HEADLINE[rows[0]["kind"]]
+        kind = KINDS[rows[0]["kind"]]
+        metric, label = kind.headline
         done = [r for r in rows if r[metric] is not None]
         fig, ax = plt.subplots(figsize=(8, 5))
         if done:
@@ -428,13 +373,10 @@ def write_plots(summary: list[dict], out: Path) -> None:
         ax.set(ylabel=label, title=f"{task}: {label} per variant")
         ax.tick_params(axis="x", rotation=30)
         save_figure(fig, out / plot_name(label, task))
-        if rows[0]["kind"] == "lm":
-            plot_loss_by_position(plt, task, rows, out)
         if any(r["training_loss"] for r in rows):
             plot_training_loss(plt, task, rows, out)
-        if rows[0]["kind"] == "recall":
-            recall.plot_frontier(plt, task, rows, out / plot_name("frontier", task))
-            recall.plot_by_distance(plt, task, rows, out / plot_name("accuracy_by_distance", task))
+        for name, plot in kind.plots:
+            plot(plt, task, rows, out / plot_name(name, task))
 
 
 def bubble_chart(ax, rows: list[dict], metric: str) -> None:
@@ -453,26 +395,6 @@ def bubble_chart(ax, rows: list[dict], metric: str) -> None:
     ax.legend(handles, [f"{mb:,.0f} MB" for mb in reference], loc="lower left", bbox_to_anchor=(1.02, 0.0),
               fontsize=8, title="peak memory", labelspacing=2.2, borderpad=1.5, handletextpad=2.0, frameon=False)
     ax.margins(x=0.2, y=0.2)
-
-
-def plot_loss_by_position(plt, task: str, rows: list[dict], out: Path) -> None:
-    """Mean eval loss per position bucket, one line per variant (x: bucket, log-spaced positions)."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ticks = {}
-    for r in rows:
-        buckets = [b for b in r["loss_by_position"] or [] if b["loss"] is not None]
-        if buckets:
-            middle = [(max(b["start"], 1) * b["end"]) ** 0.5 for b in buckets]  # geometric middle of the bucket
-            ticks.update(zip(middle, (b["bucket"] for b in buckets), strict=True))
-            ax.plot(middle, [b["loss"] for b in buckets], marker="o", label=f"{r['name']} ({r['max_length']})")
-    ax.set_xscale("log")
-    ax.set_xticks(list(ticks), list(ticks.values()))
-    ax.minorticks_off()
-    ax.set(xlabel="token position in the chunk", ylabel="mean eval loss (nats)")
-    ax.set_title(f"{task}: loss by token position")
-    if ax.lines:
-        ax.legend(fontsize=8)
-    save_figure(fig, out / plot_name("loss_by_position", task))
 
 
 def plot_training_loss(plt, task: str, rows: list[dict], out: Path) -> None:
@@ -534,7 +456,7 @@ def compare(config_path: str, output_dir: str | None = None, overwrite: bool = F
         progress.set_postfix_str(f"{run.task} / {run.name} / seed {run.seed}")
         outcome = launch(run, cfg["launcher"], cfg["timeout_minutes"] * 60)
         rows.append(row_for(run, outcome))
-        metric, label = HEADLINE[run.kind]
+        metric, label = KINDS[run.kind].headline
         value = outcome.results.get("metrics", {}).get(metric)
         detail = f"{label} {value:.4f}" if value is not None else outcome.error[:200]
         progress.write(f"{run.task:>10} / {run.name:<20} seed {run.seed}: {outcome.status}  {detail}")

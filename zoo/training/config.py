@@ -268,14 +268,6 @@ def resolve_pretrained(name: str) -> tuple[str, str]:
 # checks that run before any data or model is loaded
 
 
-def is_lm(cfg: FinetuneConfig) -> bool:
-    return tasks.get_task(cfg.task).kind == "lm"
-
-
-def is_recall(cfg: FinetuneConfig) -> bool:
-    return tasks.get_task(cfg.task).kind == "recall"
-
-
 def check_config(cfg: FinetuneConfig) -> None:
     distributed.check_launch(distributed.accelerator_available())
     tasks.get_task(cfg.task)
@@ -288,7 +280,7 @@ def check_config(cfg: FinetuneConfig) -> None:
     if cfg.resume_weights_only and not cfg.resume_from_checkpoint:
         raise ValueError("resume_weights_only is true but resume_from_checkpoint is not set; name the checkpoint.")
     variant = get_variant_class(cfg.variant)(**cfg.variant_params)  # unknown variant or bad parameter: now
-    if is_lm(cfg) or is_recall(cfg):
+    if tasks.get_task(cfg.task).trains_causal_lm:
         check_lm_config(cfg, variant)
     if cfg.push_to_hub and not cfg.hub_model_id:
         raise ValueError("push_to_hub is true but hub_model_id is not set; give the repository id, e.g. 'me/model'.")

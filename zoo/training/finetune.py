@@ -32,37 +32,28 @@ from typing import Any
 import transformers
 from transformers import (
     AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
     AutoTokenizer,
-    DataCollatorForLanguageModeling,
-    DataCollatorForSeq2Seq,
-    DataCollatorWithPadding,
     Trainer,
     TrainingArguments,
 )
 
 from zoo import data as tasks
 from zoo.convert.longify import check_max_length, longify, position_capacity
-from zoo.data.lm import bpe_tokenizer, chunk_documents
+from zoo.data.lm import bpe_tokenizer
 from zoo.plug.install import configure
 from zoo.plug.spec import IMPLEMENTATION
 from zoo.registry import get_variant_class
-from zoo.training import distributed, lm, recall
+from zoo.training import distributed
 from zoo.training.config import (
     FinetuneConfig,
     check_config,
-    is_lm,
-    is_recall,
     parse_config,
     resolve_pretrained,
 )
+from zoo.training.kinds import TaskKind, kind_of
 from zoo.training.results import (
     JsonlLog,
-    MetricComputer,
     Throughput,
-    classification_outcome,
-    lm_outcome,
     peak_memory_mb,
     publish,
     results_record,
@@ -79,35 +70,22 @@ logger = logging.getLogger("zoo.training.finetune")
 # data, tokenizer, model
 
 
-def load_splits(cfg: FinetuneConfig) -> tuple[Any, list[str] | None]:
-    """The task's splits (classification: examples, subsets taken now; LM: whole documents) and label names."""
+def load_splits(cfg: FinetuneConfig, kind: TaskKind) -> tuple[Any, list[str] | None]:
+    """The task's splits (whole documents or examples; subsets are taken by ``kind.prepare``) and label names."""
     dataset = tasks.build_task(cfg.task, **cfg.task_options)
     for split in ("train", cfg.eval_split):
         if split not in dataset:
             raise ValueError(f"task {cfg.task!r} has no split {split!r}; its splits: {', '.join(dataset)}.")
-    if is_lm(cfg):
-        return dataset, None  # the subsets are taken from the chunks (prepare_examples)
-    if is_recall(cfg):
-        return take_subsets(cfg, dataset), None  # token ids and answer labels already (zoo.training.recall)
-    return take_subsets(cfg, dataset), dataset["train"].features["label"].names
+    return dataset, dataset["train"].features["label"].names if kind.labelled else None
 
 
-def take_subsets(cfg: FinetuneConfig, dataset):
-    for split in dataset:
-        limit = cfg.max_train_examples if split == "train" else cfg.max_eval_examples
-        if limit is not None and limit < len(dataset[split]):
-            seed = cfg.seed if split == "train" else 0  # the same evaluation examples whatever the training seed
-            dataset[split] = dataset[split].shuffle(seed=seed).select(range(limit))
-    return dataset
-
-
-def load_tokenizer(cfg: FinetuneConfig, model_path: str | None, dataset):
+def load_tokenizer(cfg: FinetuneConfig, kind: TaskKind, model_path: str | None, dataset):
     source = cfg.tokenizer_name_or_path or model_path
     if source is not None:
         tokenizer = AutoTokenizer.from_pretrained(resolve_pretrained(source)[0])
-        if is_lm(cfg) and tokenizer.pad_token is None:  # Llama / GPT-2 tokenizers: pad the rare short chunk with EOS
+        if kind.causal_lm and tokenizer.pad_token is None:  # Llama / GPT-2 tokenizers: pad with EOS
             tokenizer.pad_token = tokenizer.eos_token
-    elif is_lm(cfg):
+    elif kind.trains_tokenizer:
         tokenizer = bpe_tokenizer(dataset["train"]["text"], cfg.tokenizer_vocab_size)
     elif tasks.get_task(cfg.task).tokenizer is not None:
         tokenizer = tasks.task_tokenizer(cfg.task, cfg.task_options)
@@ -118,23 +96,6 @@ def load_tokenizer(cfg: FinetuneConfig, model_path: str | None, dataset):
         )
     tokenizer.model_max_length = cfg.max_length
     return tokenizer
-
-
-def prepare_examples(cfg: FinetuneConfig, dataset, tokenizer):
-    """Token ids per example: LM tasks cut documents into chunks (then take the subsets); others truncate."""
-    if is_lm(cfg):
-        return take_subsets(cfg, chunk_documents(dataset, tokenizer, cfg.max_length, cfg.min_chunk_length))
-    if is_recall(cfg):
-        return dataset
-    return tokenize(dataset, tokenizer, cfg.max_length)
-
-
-def tokenize(dataset, tokenizer, max_length: int):
-    def encode(batch):
-        return tokenizer(batch["text"], truncation=True, max_length=max_length)
-
-    drop = [c for c in dataset["train"].column_names if c != "label"]
-    return dataset.map(encode, batched=True, remove_columns=drop, desc="tokenizing")
 
 
 def model_config(cfg: FinetuneConfig, model_path: str | None, tokenizer, label_names: list[str] | None):
@@ -176,15 +137,15 @@ def special_token_ids(tokenizer, roles: tuple[str, ...]) -> dict[str, int]:
     return ids
 
 
-def build_model(cfg: FinetuneConfig, model_path: str | None, tokenizer, label_names: list[str] | None):
+def build_model(cfg: FinetuneConfig, kind: TaskKind, model_path: str | None, tokenizer,
+                label_names: list[str] | None):
     config = model_config(cfg, model_path, tokenizer, label_names)
     transformers.set_seed(cfg.seed)  # from-scratch weights and the new classifier head
-    auto_class = AutoModelForCausalLM if label_names is None else AutoModelForSequenceClassification
     if model_path is not None:
-        model = auto_class.from_pretrained(model_path, config=config)
+        model = kind.model_class.from_pretrained(model_path, config=config)
     else:
-        model = auto_class.from_config(config)
-    if label_names is None:
+        model = kind.model_class.from_config(config)
+    if kind.causal_lm:
         # Causal-LM losses take num_items_in_batch (tokens over all processes and accumulation steps), as Trainer
         # expects; the cache is of no use while training and evaluating on whole chunks (restored before saving).
         model.config.use_cache = False
@@ -251,20 +212,13 @@ def train(cfg: FinetuneConfig, plan: ResumePlan, started: float) -> dict | None:
     """Data, model, training, final evaluation and results (``run`` has checked the config and locked the folder)."""
     args = training_arguments(cfg)
     model_path, base_model = resolve_pretrained(cfg.model_name_or_path) if cfg.model_name_or_path else (None, None)
+    kind = kind_of(cfg.task)
     with args.main_process_first(desc="building the dataset"):
-        dataset, label_names = load_splits(cfg)
-        tokenizer = load_tokenizer(cfg, model_path, dataset)
-        examples = prepare_examples(cfg, dataset, tokenizer)
-    model = build_model(cfg, plan.weights or model_path, tokenizer, label_names)  # weights only: the checkpoint's
-    language_model = label_names is None
-    preprocess = lm.per_token_loss if language_model else None
-    if is_recall(cfg):
-        computer, collator = recall.RecallAccuracy(examples[cfg.eval_split]), DataCollatorForSeq2Seq(tokenizer)
-        preprocess = recall.predicted_tokens
-    elif language_model:
-        computer, collator = lm.PositionLoss(cfg.max_length), DataCollatorForLanguageModeling(tokenizer, mlm=False)
-    else:
-        computer, collator = MetricComputer(), DataCollatorWithPadding(tokenizer)
+        dataset, label_names = load_splits(cfg, kind)
+        tokenizer = load_tokenizer(cfg, kind, model_path, dataset)
+        examples = kind.prepare(cfg, dataset, tokenizer)
+    model = build_model(cfg, kind, plan.weights or model_path, tokenizer, label_names)  # weights only: the checkpoint's
+    computer, collator = kind.metrics(cfg, examples[cfg.eval_split]), kind.collator(tokenizer)
     throughput, parameter_count = Throughput(), distributed.ParameterCount()
     trainer = CheckpointingTrainer(
         model=model,
@@ -274,7 +228,7 @@ def train(cfg: FinetuneConfig, plan: ResumePlan, started: float) -> dict | None:
         data_collator=collator,
         processing_class=tokenizer,
         compute_metrics=computer,
-        preprocess_logits_for_metrics=preprocess,
+        preprocess_logits_for_metrics=kind.preprocess_logits,
         callbacks=[JsonlLog(), throughput, parameter_count],
     )
     trainer.train(resume_from_checkpoint=plan.checkpoint)
@@ -286,19 +240,14 @@ def train(cfg: FinetuneConfig, plan: ResumePlan, started: float) -> dict | None:
         "peak_memory_mb": peak_memory_mb(trainer),
     }
     launch = distributed.describe(trainer, parameter_count)
-    if language_model:
+    if kind.causal_lm:
         model.config.use_cache = True  # saved for generation
     trainer.save_model(cfg.output_dir)
     trainer.save_state()
     results = None
     if trainer.is_world_process_zero():
         out = Path(cfg.output_dir)
-        if is_recall(cfg):
-            outcome = recall.outcome(out, computer, metrics, examples[cfg.eval_split])
-        elif language_model:
-            outcome = lm_outcome(cfg, out, computer, metrics, examples)
-        else:
-            outcome = classification_outcome(out, computer, metrics, label_names)
+        outcome = kind.outcome(cfg, out, computer, metrics, examples, label_names)
         speeds["wall_time_seconds"] = time.perf_counter() - started
         results = results_record(cfg, model, examples, outcome, speeds, launch, base_model)
         (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -326,14 +275,7 @@ def close_process_group(trainer: Trainer) -> None:
 def main(argv: list[str] | None = None) -> None:
     results = run(parse_config(argv))
     if results is not None:
-        m = results["metrics"]
-        if "eval_perplexity" not in m and "eval_macro_f1" not in m:
-            quality = f"accuracy {m['eval_accuracy']:.4f} (answer tokens)"
-        elif "eval_perplexity" in m:
-            decode = results["decode_tokens_per_second"] or 0
-            quality = f"perplexity {m['eval_perplexity']:.2f}  decode {decode:.0f} tok/s"
-        else:
-            quality = f"accuracy {m['eval_accuracy']:.4f}  macro-F1 {m['eval_macro_f1']:.4f}"
+        quality = kind_of(results["task"]).quality(results)
         print(
             f"[{results['task']} / {results['variant']}] {quality}  train {results['train_tokens_per_second']:.0f} "
             f"tok/s  peak {results['peak_memory_mb']:.0f} MB  ({results['num_processes']} process(es), "
