@@ -1,4 +1,4 @@
-"""The transformers patches (zoo/_patches.py): canary for their shape, and models without the zoo untouched."""
+"""The transformers patches (zoo/plug/_patches.py): canary for their shape, and models without the zoo untouched."""
 
 import inspect
 import logging
@@ -65,7 +65,7 @@ def _fail(use_or_patch, what: str):
     if isinstance(use_or_patch, _patches.PrivateUse):
         pytest.fail(use_or_patch.outdated(what))
     pytest.fail(f"transformers {transformers.__version__} (patches verified on {_patches.VERIFIED_ON}): "
-                f"{use_or_patch.qualname}: {what}. Update zoo/_patches.py.")
+                f"{use_or_patch.qualname}: {what}. Update zoo/plug/_patches.py.")
 
 
 def _use(symbol_start: str) -> _patches.PrivateUse:
@@ -200,7 +200,7 @@ def test_canary_trainer_writes_checkpoints_through_save_checkpoint():
 def test_canary_message_names_the_version_and_the_file():
     use = _use("Cache.update")
     message = use.outdated("it changed")
-    assert transformers.__version__ in message and "zoo/cache.py" in message and "zoo/_patches.py" in message
+    assert transformers.__version__ in message and "zoo/cache.py" in message and "zoo/plug/_patches.py" in message
 
 
 def test_private_symbols_are_named_only_in_zoo_patches():
@@ -212,7 +212,7 @@ def test_private_symbols_are_named_only_in_zoo_patches():
             continue
         text = path.read_text()
         for symbol in ("_is_hf_initialized", "_keys_to_ignore_on_load_missing", "_compute_global_attention_mask"):
-            assert symbol not in text, f"{path} names {symbol}: use the accessor in zoo/_patches.py"
+            assert symbol not in text, f"{path} names {symbol}: use the accessor in zoo/plug/_patches.py"
 
 
 def test_a_changed_signature_is_reported_with_the_transformers_version_and_left_unpatched(monkeypatch, caplog):
@@ -223,7 +223,7 @@ def test_a_changed_signature_is_reported_with_the_transformers_version_and_left_
     patch = _patches.Patch(Owner, "to_dict", ("self", "requested_attention"))
     monkeypatch.setattr(_patches, "PATCHES", (patch,))
     (message,) = _patches.check_patch_targets()
-    assert transformers.__version__ in message and "Owner.to_dict" in message and "zoo/_patches.py" in message
+    assert transformers.__version__ in message and "Owner.to_dict" in message and "zoo/plug/_patches.py" in message
     with caplog.at_level(logging.WARNING, logger="zoo.plug._patches"):
         _patches._wrap(patch, lambda original: lambda self, *a, **k: "patched")
     assert Owner().to_dict(True) == {"flatten": True}

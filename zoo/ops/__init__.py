@@ -1,9 +1,10 @@
-"""Shared attention kernels and helpers for variants: GQA expansion, masks, softmax attention, blocked attention
-(``zoo.ops.blocked``), chunked gathered-block attention (``zoo.ops.gathered``), unions of key sets merged into
-one softmax (``zoo.ops.union``), the CPU flash wrappers (``zoo.ops.flash``) and their counterparts with attention
-dropout (``zoo.ops.dropout``: per-chunk masks redrawn in the backward, never stored), chunked prefix sums
-(``zoo.ops.linear``), few queries over their selected keys for decoding (``zoo.ops.selected``) and
-process-independent seeds (``zoo.ops.seeds``)."""
+"""Shared attention kernels for variants -- a leaf: they see :class:`zoo.call.AttentionCall` and
+:class:`zoo.pattern.Pattern`, never a variant. GQA expansion, masks and softmax attention (``dense``), blocked attention
+(``blocked``), chunked gathered-block attention (``gathered``), unions of key sets merged into one softmax (``union``),
+the CPU flash wrappers (``flash``) and their counterparts with attention dropout (``dropout``: per-chunk masks redrawn
+in the backward, never stored), linear attention by chunked prefix sums (``linear``), few queries over their selected
+keys for decoding (``selected``), any block-hinted pattern on those kernels (``patterned``), FlexAttention from a
+pattern (``flex``) and process-independent seeds (``seeds``)."""
 
 from zoo.ops.blocked import (
     blocked_attention,

@@ -100,7 +100,7 @@ def _problem(patch: Patch) -> str | None:
         problem = f"{patch.qualname} has parameters {actual}, the patch expects {patch.parameters}"
     return (
         f"transformers {transformers.__version__} (attention-zoo's patches were verified on {VERIFIED_ON}): "
-        f"{problem}. Update zoo/_patches.py."
+        f"{problem}. Update zoo/plug/_patches.py."
     )
 
 
@@ -260,19 +260,20 @@ class PrivateUse:
         version = importlib.metadata.version(self.library)
         verified = VERIFIED_ON if self.library == "transformers" else ACCELERATE_VERIFIED_ON
         return (f"{self.library} {version} (attention-zoo verified {self.symbol} on {verified}): {what}. "
-                f"Update {self.used_in} and zoo/_patches.py.")
+                f"Update {self.used_in} and zoo/plug/_patches.py.")
 
 
 ACCELERATE_VERIFIED_ON = "1.15"
 PRIVATE_USES = (
-    PrivateUse("transformers", "PreTrainedModel._is_hf_initialized (modules and tensors)", "zoo/weights.py"),
-    PrivateUse("transformers", "PreTrainedModel._keys_to_ignore_on_load_missing", "zoo/weights.py"),
-    PrivateUse("transformers", "PreTrainedModel._can_record_outputs['attentions']", "zoo/weights.py"),
-    PrivateUse("transformers", "modeling_longformer._compute_global_attention_mask", "zoo/convert.py"),
+    PrivateUse("transformers", "PreTrainedModel._is_hf_initialized (modules and tensors)", "zoo/plug/weights.py"),
+    PrivateUse("transformers", "PreTrainedModel._keys_to_ignore_on_load_missing", "zoo/plug/weights.py"),
+    PrivateUse("transformers", "PreTrainedModel._can_record_outputs['attentions']", "zoo/plug/weights.py"),
+    PrivateUse("transformers", "modeling_longformer._compute_global_attention_mask", "zoo/convert/longformer.py"),
     PrivateUse("transformers", "Cache.update(k, v, layer_idx, kwargs=attention_kwargs)", "zoo/cache.py"),
-    PrivateUse("accelerate", "PartialState._shared_state / AcceleratorState._shared_state", "zoo/distributed.py"),
+    PrivateUse("accelerate", "PartialState._shared_state / AcceleratorState._shared_state",
+               "zoo/training/distributed.py"),
     PrivateUse("transformers", "Trainer.create_accelerator_and_postprocess / is_fsdp_enabled / "
-               "TrainingArguments.fsdp_plugin_args", "zoo/distributed.py"),
+               "TrainingArguments.fsdp_plugin_args", "zoo/training/distributed.py"),
     PrivateUse("transformers", "Trainer._save_checkpoint(model, trial): the one place checkpoints are written "
-               "(overridden to name write failures and remove the partial folder)", "zoo/run_folder.py"),
+               "(overridden to name write failures and remove the partial folder)", "zoo/training/run_folder.py"),
 )

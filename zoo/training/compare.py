@@ -24,7 +24,7 @@ Config keys::
       - {variant: sdpa}
     tasks:
       - name: brown
-        config: recipes/configs/brown/minilm_cpu.yaml     # a fine-tune config (zoo/train.py keys)
+        config: recipes/configs/brown/minilm_cpu.yaml     # a fine-tune config (zoo/training/finetune.py keys)
         seeds: [0, 1, 2]                          # this task's seeds (default: the top-level ones)
         overrides: {max_steps: 12}
         variants:                                 # this task's own entries, after the shared ones

