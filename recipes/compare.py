@@ -2,7 +2,7 @@
 
     python recipes/compare.py recipes/configs/compare_default.yaml [--output_dir DIR] [--overwrite]
 
-The logic lives in zoo/training/compare.py (its docstring lists the config keys).
+The logic lives in zoo/training/compare.py (config keys: docs/notes/training.md).
 """
 
 from zoo.training.compare import main

@@ -1,33 +1,14 @@
 """``bigbird``: BigBird ITC block-sparse attention (Zaheer et al. 2020).
 
-Queries and keys are cut into blocks of ``block_size`` tokens. The first and the last ``num_global_blocks``
-blocks are global: they attend to every key and every query attends to them. Every other query block attends
-to its ``window_blocks`` neighbours (itself and ``window_blocks // 2`` on each side), the global blocks and
-``num_random_blocks`` random blocks drawn among the blocks it does not already see, so no key is counted twice
-in the softmax (when fewer blocks remain, it takes those that exist).
+Blocks of ``block_size`` tokens. The first and last ``num_global_blocks`` blocks are global (they see every key,
+every query sees them); every other query block sees its ``window_blocks`` neighbours (itself and
+``window_blocks // 2`` on each side), the global blocks and ``num_random_blocks`` random blocks it does not already
+see, so no key counts twice. The random layout is a pure function of (seed, layer, number of blocks, head): the same
+in training, eval, every process and after a reload. Causal mode restricts every part to the past and draws a
+block's layout from (seed, layer, head) only, so outputs depend neither on later tokens nor on the length.
+Decoding keeps every key (:class:`zoo.cache.GrowingLayer`: random blocks may point at any earlier block).
 
-The random layout is a pure function of (seed, layer, number of blocks, head), drawn on CPU with a
-``torch.Generator`` seeded from a hash of those: the same in training and in eval (transformers' BigBird uses
-no random blocks in eval), in every process and after a save/reload. It is cached per (layer, number of
-blocks, heads, causal, device). Inputs of any length are padded internally to a block multiple and the
-padding is masked; where the pattern covers every block (e.g. at most 3 blocks with the defaults) this is
-exactly full attention, decided per call.
-
-Causal mode restricts every part to the past: the window is the block and the ``window_blocks // 2`` blocks
-before it, the global blocks are the first ``num_global_blocks`` (the last ones lie in the future), and the
-random blocks are drawn among earlier blocks. There a query block's layout is drawn from (seed, layer, head)
-only, so a token's output depends neither on later tokens nor on the total length (decoding with a KV cache
-gives what the full forward gives).
-
-Kernel: every query block attends to its gathered key blocks through :func:`zoo.ops.gathered_attention` (on CPU
-chunks of query blocks through the flash kernel, recomputing each chunk's gather in the backward); the global
-query blocks then get ``rows_attention`` over all keys. O(n · block · (window + 2·global + random)) time, and
-O(n · d) memory besides one chunk.
-
-Decoding keeps every key (a :class:`zoo.cache.GrowingLayer`, appended in O(1) amortized: random blocks may point at
-any earlier block), but a new
-token attends only to the key blocks of its query block's layout, gathered per head: O(block·(window + global +
-random)) work per token, independent of the context length; memory O(n).
+Measurements and history: docs/notes/variants.md#bigbird
 """
 
 from __future__ import annotations
@@ -254,7 +235,7 @@ class BigBirdAttention(Variant):
     def _attend_new_tokens(self, q, k, v, layout: BlockLayout, call: AttentionCall) -> torch.Tensor:
         """Decoding steps (fewer new queries than a block): each query over the key blocks its block's layout
         names, per head, gathered (:func:`zoo.ops.selected_attention`): O(block·(window + global + random)) per
-        token instead of padding the query to a whole block. Keys: every key so far (a DynamicLayer)."""
+        token instead of padding the query to a whole block. Keys: every key so far (a GrowingLayer)."""
         block, kv_len = self.block_size, k.shape[-2]
         query_positions = call.query_positions(q.shape[-2], kv_len, q.device)
         within = torch.arange(block, device=q.device)

@@ -1,26 +1,13 @@
-"""``linformer``: low-rank attention through learned projections along the sequence (Wang et al. 2020,
-"Linformer: Self-Attention with Linear Complexity").
+"""``linformer``: low-rank attention through learned projections along the sequence (Wang et al. 2020).
 
-Keys and values of length n are projected to ``k`` rows by learned matrices E, F ∈ R^{k × max_length}, cut to
-the sequence: K' = E[:, :n]·K, V' = F[:, :n]·V, then out = softmax(Q·K'ᵀ·scale)·V'. Time O(n·k·d), memory O(n·k):
-the scores are n × k, never n × n. The projection mixes every position into every projected key, future ones
-included, so the variant is bidirectional only.
+K' = E[:, :n]·K, V' = F[:, :n]·V with learned E, F ∈ R^{k × max_length}, then out = softmax(Q·K'ᵀ·scale)·V':
+O(n·k·d) time, O(n·k) memory. Bidirectional only (every position reaches every projected key). ``k``: projected
+length (default 256); ``sharing``: ``"headwise"`` (default: one E and one F per layer), ``"key_value"`` (E = F) or
+``"none"`` (per head); ``max_length``: the longest input the projections cover (default the model's
+``max_position_embeddings``; longer is an error). Padded keys and values are zeroed before the projection, and a
+projected key no real token reaches is masked out.
 
-Parameters: ``k`` (projected length, default 256 as in the paper); ``sharing`` -- ``"headwise"`` (default, one E
-and one F per layer shared by all heads: the paper's headwise sharing), ``"key_value"`` (one matrix per layer,
-E = F, shared by all heads: the paper's key-value sharing) or ``"none"`` (E and F per head); ``max_length`` -- the
-longest sequence the projections cover (default None: the model's ``max_position_embeddings``). A longer input
-is an error (the projections have no columns for it).
-
-Weights (``attention_zoo.key_projection`` and, unless ``sharing="key_value"``, ``attention_zoo.value_projection``,
-each (heads or 1, k, max_length)) start as in the authors' code (fairseq ``examples/linformer``): Xavier-uniform
-with gain 1/√2 on each (k, max_length) matrix, i.e. U(−a, a) with a = √(3 / (k + max_length)).
-
-Padding: padded keys and values are set to 0 before the projection, so they never reach a real output; a
-projected key that no real token contributes to (all its weights on real positions are zero: rows of an identity
-E beyond n, or on padded positions) is masked out of the softmax. With k ≥ n and E = F = identity on the first n
-positions the kernel is softmax attention exactly (tested), padding included. Attention dropout acts on the n × k
-probabilities.
+Initialisation, padding details and the exactness test: docs/notes/variants.md#linformer
 """
 
 from __future__ import annotations

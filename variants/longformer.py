@@ -1,47 +1,15 @@
 """``longformer``: sliding-window attention with global tokens (Beltagy et al. 2020).
 
-Pattern (the spec the kernel is tested against). Query ``i`` sees key ``j`` when
+Query ``i`` sees key ``j`` when ``|i - j| <= (window // 2) * dilation`` and ``(i - j) % dilation == 0`` (``window``
+as transformers' ``LongformerConfig.attention_window``), or when ``i`` or ``j`` is global: a position in
+``global_tokens`` (default ``[0]`` bidirectional, ``[]`` causal) or a nonzero entry of a ``global_attention_mask``
+(batch, seq) keyword. Padding is never global nor attended; a key counts once in each softmax. Causal: the band's
+left half, and causality wins over globality. ``global_projections=True``: global query rows use their own learned
+q/k/v, starting as copies of the layer's (a RoBERTa checkpoint converts unchanged); whole sequence only, no cache.
+Kernel: band and global keys in one softmax (:func:`zoo.ops.union_attention`), O(n·(window + globals)); decoding
+keeps the sinks and the last ``window // 2 * dilation`` keys (:class:`zoo.cache.WindowedLayer`).
 
-* ``j`` lies in its window: ``|i - j| <= (window // 2) * dilation`` and ``(i - j) % dilation == 0``
-  (``window`` has the meaning of transformers' ``LongformerConfig.attention_window``: ``window // 2``
-  tokens on each side, the token itself included), or
-* ``i`` or ``j`` is a global token: global tokens attend to everything and everything attends to them.
-
-Global tokens are the positions in ``global_tokens`` (default ``[0]`` bidirectional, ``[]`` causal) plus
-the nonzero entries of a per-batch ``global_attention_mask`` (batch, seq) passed to ``model(...)`` as a
-keyword. Padded tokens are never global and never attended. A key is counted once in each softmax even
-when it is both global and inside the query's window.
-
-Causal mode: the band keeps its left half (``window // 2`` tokens to the left, the token itself
-included), and causality wins over globality: a global token sees only itself and the past, and a query
-sees a global token only if it is not in its future.
-
-Global projections (``global_projections=True``, as in the paper and transformers'
-``LongformerSelfAttention``): the rows of global queries attend over all keys with their own learned
-``query_global``/``key_global``/``value_global`` (hidden -> hidden, per layer, under ``attention_zoo.``),
-applied to the layer's input hidden states; every other score -- window keys and the global keys seen by
-local queries -- uses the layer's q/k/v. They start as copies of the layer's query/key/value (the paper's
-conversion recipe), so a RoBERTa checkpoint converts with unchanged outputs; :func:`zoo.from_longformer`
-loads a transformers Longformer checkpoint's own. With ``global_projections=False`` (default) global rows
-use the layer's q/k/v: no extra weights. Global projections need the whole sequence in one call (no KV
-cache decoding).
-
-Kernel: queries in blocks; each block attends to the key blocks of the band around it
-(:func:`zoo.ops.band_part`: gathered and computed chunk by chunk on CPU, global keys masked inside the band so
-they count once) and to the global keys (one part shared by every block), merged into one softmax by
-:func:`zoo.ops.union_attention`; global query rows then attend to all keys (``rows_attention``) and overwrite
-their rows. O(n·(window + globals)) time, O(n·d) memory on CPU. Inputs are padded only to a block multiple
-(a short input is one block of its own length, never padded up to the window). Dilation regroups the
-sequence into ``dilation`` interleaved lanes, in which the dilated window is a contiguous one (one gather);
-dilation 1 is the copy-free fast path.
-
-Decoding (``generate`` or :func:`zoo.make_cache`; causal): a :class:`zoo.cache.WindowedLayer` keeps the global
-tokens (the sinks, kept forever) and the last ``window // 2 * dilation`` keys, and every key while a global query
-is still to come. Each new token attends to the kept keys it may see: O(window + globals) memory and work per
-token at any context length. With ``global_tokens=[0, 1, 2, 3]`` this is StreamingLLM's attention sink
-(Xiao et al. 2023). Kept keys keep the rotary/absolute position of their token. A ``global_attention_mask``
-shorter than the input marks the first tokens (a decoding loop passes the prompt's mask at every step);
-``generate()`` itself refuses model keyword arguments it does not know, so use ``global_tokens`` there.
+Measurements and history: docs/notes/variants.md#longformer
 """
 
 from __future__ import annotations

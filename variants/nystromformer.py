@@ -1,26 +1,12 @@
 """``nystromformer``: Nyström approximation of softmax attention (Xiong et al. 2021) with transformers'
 ``NystromformerSelfAttention`` semantics, in O(n·m·d + m³) time and O(n·m) memory for m = ``num_landmarks``.
 
-softmax(q·kᵀ)·v ≈ softmax(q·k̃ᵀ) · pinv(softmax(q̃·k̃ᵀ)) · softmax(q̃·kᵀ)·v, where the landmarks q̃, k̃ are the means
-of m segments of consecutive tokens. As in transformers: q and k are each scaled by √scaling (d^-¼ each at the
-usual scaling), the pseudo-inverse is 6 iterations of Z ← ¼·Z(13I − KZ(15I − KZ(7I − KZ))) from
-Z₀ = Kᵀ / (the largest column sum of K over the whole call, batch and heads included: its "original" init),
-and the optional depthwise convolution over the values of each head (``conv_kernel_size``, no bias) is added to
-the output; its kernel is a learned per-layer weight (``attention_zoo.conv.weight``).
+softmax(q·kᵀ)·v ≈ softmax(q·k̃ᵀ) · pinv(softmax(q̃·k̃ᵀ)) · softmax(q̃·kᵀ)·v, the landmarks q̃, k̃ being means of m
+segments of consecutive real tokens (any n; n ≤ m is plain softmax attention), plus an optional learned depthwise
+convolution over the values (``conv_kernel_size``). Bidirectional only. Approximate: ``error_bound`` is stated
+against softmax attention (plus the convolution; :meth:`NystromformerAttention.reference`).
 
-Where it differs from transformers, which needs n == ``segment_means_seq_len``, a multiple of m:
-
-* any n: segment j holds tokens [⌊j·n/m⌋, ⌊(j+1)·n/m⌋) (m segments of ⌊n/m⌋ or ⌈n/m⌉ tokens; transformers'
-  equal segments when m divides n; padding n to a multiple of m instead would leave up to m − 1 padded
-  positions, e.g. 14 of 64 segments empty at n = 100), and the landmarks are means over the *real* tokens of a
-  segment only (transformers averages padded tokens in). A segment without real tokens has no landmark: it is
-  masked out of the first two kernels (its row of softmax(q̃·k̃ᵀ) is the identity row, so the pseudo-inverse acts
-  on the real landmarks alone).
-* n ≤ m: plain softmax attention (what transformers does at n == m).
-* the convolution sees padded values as zeros, so padding never changes real outputs.
-
-Bidirectional only (the landmarks mix the whole sequence). Approximate: ``error_bound`` is stated against
-softmax attention (plus the convolution, when on; :meth:`NystromformerAttention.reference`).
+Differences from transformers and their reasons: docs/notes/variants.md#nystromformer
 """
 
 from __future__ import annotations

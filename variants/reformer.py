@@ -1,32 +1,13 @@
 """``reformer``: LSH attention (Kitaev et al. 2020) with shared query-key, in O(n·r·(c·d + log n)) time.
 
-Shared-QK: the keys are the queries, RMS-normalized (norm √d): key_j = q_j·√d/‖q_j‖ and score = scaling·q_i·key_j,
-which at the usual scaling d^-½ is transformers' ``LSHSelfAttention`` score q_i·q_j/‖q_j‖. The model's own key
-projection is not used (it gets no gradient). Values are the model's values.
+Keys are the queries RMS-normalized (key_j = q_j·√d/‖q_j‖; the model's key projection is unused), values the
+model's. Per round (``n_hashes`` = r): hash by a random rotation drawn per (seed, layer, head, round), sort by
+(bucket, position), cut into chunks of c = ``bucket_size``. Bidirectional: a chunk attends to itself and the previous
+chunk. Causal: a query attends to the at most c earlier tokens of its own bucket (the paper's chunk rule would let
+the future move chunk boundaries). A query sees itself only when it has no other key; rounds merge by log-sum-exp.
+Approximate: ``reference`` is full shared-QK attention, ``error_bound`` is stated against it. Nothing n x n is built.
 
-Per hashing round (``n_hashes`` rounds r, independent random rotations):
-
-1. hash: bucket = argmax([x·R, −x·R]) for a Gaussian rotation R (d x b/2) drawn per (seed, layer, head, round),
-   the same in training, in eval and in every process. Above 128 buckets the bucket is the product of two such
-   hashes (b₁·b₂ buckets for b₁ + b₂ rotation columns, as transformers factorizes large bucket counts), so hashing
-   stays O(n·√b·d). Padded tokens get a bucket of their own, after all others.
-2. sort the tokens by (bucket, position) and cut the sorted order into chunks of c = ``bucket_size``;
-3. bidirectional: each chunk attends to itself and to the previous chunk (the first chunk: itself only; no
-   wrap-around). Causal: each query attends to the at most c tokens of its own bucket that precede it in the
-   sorted order (i.e. its own bucket's c latest earlier tokens). The paper's causal rule (the chunks above with
-   key position ≤ query position) is not causal: where a chunk boundary falls depends on how many *later* tokens
-   hash to lower buckets, so a token's key set would change with the future. Restricted to its own bucket, the
-   sorted window depends only on earlier tokens.
-4. a query never attends to itself unless it has no other key in any round; then its output is its own value.
-   (transformers adds −1e5 to the score on itself, which is the same up to e^-1e5 but, in fp32, rounds a lone
-   token's scores to steps of 0.008: its gradient would be off by about 1%.)
-
-The rounds are combined by log-sum-exp: out = Σ_r softmax_r(lse_r)·out_r, i.e. one softmax over the union of
-the rounds' key sets with a key counted once per round that holds it (no deduplication, as in transformers).
-
-Approximate: ``reference`` is full shared-QK attention (every allowed key, the same self rule), what LSH
-approximates; ``error_bound`` is stated against it. Nothing of size n x n is built: the largest tensors are the
-(r·n, 2c) chunk scores.
+Hashing details, transformers comparison and rationale: docs/notes/variants.md#reformer
 """
 
 from __future__ import annotations

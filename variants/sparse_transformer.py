@@ -1,33 +1,13 @@
-"""``sparse_transformer``: the factorized patterns of Child et al. 2019, "Generating Long Sequences with Sparse
-Transformers", with stride l (``stride``) and c summary columns (``num_summary``). ``layout`` picks the pattern
-(``'strided'`` or ``'fixed'``); it was called ``pattern`` in 0.1.0, a name still accepted (``renamed_params``).
+"""``sparse_transformer``: the factorized patterns of Child et al. 2019, with stride l (``stride``) and c summary
+columns (``num_summary``); ``layout`` picks ``'strided'`` or ``'fixed'`` (``pattern`` is its old name, still accepted).
 
-The paper splits each pattern into two heads (or two interleaved layers); here one attention uses the **union**
-of the two heads' key sets, in one softmax per query (causality and padding applied on top):
+One attention uses the **union** of the paper's two heads' key sets, in one softmax per query (causality and padding
+on top): ``strided`` = local ``|i − j| < l`` ∪ every l-th column ``(i − j) mod l == 0``; ``fixed`` = same block
+``⌊i/l⌋ == ⌊j/l⌋`` ∪ summary columns ``j mod l ≥ l − c``. Each is two disjoint key parts merged by
+:func:`zoo.ops.union_attention`, never n x n. Decoding: ``fixed`` keeps its summary columns and the last l − 1 keys
+(:class:`zoo.cache.WindowedLayer`); ``strided`` keeps every key (:class:`zoo.cache.GrowingLayer`).
 
-* ``strided``: local ``|i − j| < l`` (causal: the l previous tokens, itself included) ∪ every l-th column
-  ``(i − j) mod l == 0``.
-* ``fixed``: same block ``⌊i/l⌋ == ⌊j/l⌋`` ∪ summary columns ``j mod l ≥ l − c``.
-
-Kernels (never n x n; n ≤ l is the one case where the pattern covers everything and one small SDPA runs).
-Each pattern is two key parts merged into one softmax by :func:`zoo.ops.union_attention` (on CPU: one flash
-kernel call per part, combined through their log-sum-exps; the parts never share a (query, key) pair):
-
-* ``strided``: the every-l-th columns differ per query row (query i needs residue class i mod l), so no key
-  set appended to a block of consecutive queries is exact without n x n waste. Part 1 is the local band
-  (:func:`zoo.ops.band_part`, query blocks of ``_local_block(l)``); part 2 regroups tokens by residue (a view
-  (n/l, l) transposed to (l, n/l)), where each residue class is a small dense attention of its n/l queries over
-  its n/l keys, minus the diagonal j = i, the only pair the band already holds. O(n·(2l + n/l)): O(n·√n) at
-  l ≈ √n.
-* ``fixed``: query blocks of l; part 1 is the own block (a view), part 2 the summary columns of the other
-  blocks (earlier ones when causal): the last c tokens of every block, copied out once and gathered by the
-  query blocks chunk by chunk (:class:`zoo.ops.GatheredPart`). O(n·(l + c·n/l)) time, O(n·d) memory on CPU.
-
-Decoding (new tokens over cached keys, :func:`zoo.ops.selected_attention`): each query gathers only the keys of
-its pattern. ``fixed`` keeps what its pattern can still reach (a :class:`zoo.cache.WindowedLayer`: the summary
-columns as sinks and the last l − 1 keys): O(l + n·c/l) memory and work per token. ``strided`` keeps every key
-(a :class:`zoo.cache.GrowingLayer`: its every-l-th columns reach back to the first token) but spends per token
-only O(l + n/l): the l previous keys and the query's residue column.
+Kernels, costs and history: docs/notes/variants.md#sparse_transformer
 """
 
 from __future__ import annotations

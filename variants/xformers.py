@@ -1,30 +1,12 @@
 """``xformers``: exact softmax attention through ``xformers.ops.memory_efficient_attention`` on CUDA tensors, with
 torch SDPA (same semantics) everywhere else.
 
-xformers path (CUDA and ``import xformers.ops`` works):
+``window`` w (default None = full attention): query i sees key j when ``|i − j| < w`` (causal: ``0 ≤ i − j < w``,
+xformers' ``window_size``: w keys, itself included). Padded batches are packed so no compute goes to pad tokens;
+cases xformers cannot take fall back to torch, and one INFO log per backend (and reason) says which ran. Decoding
+with a window keeps the last ``window − 1`` keys (:class:`zoo.cache.WindowedLayer`); without one, every key.
 
-* no padding: the batch as is, with ``LowerTriangularMask`` (causal), ``LocalAttentionFromBottomRightMask``
-  (bidirectional ``window``) or no bias;
-* padding (or a causal window): the real tokens of every row (any 2-D mask: gathered by index, not sliced) are
-  packed into ONE variable-length sequence with ``BlockDiagonalMask.from_seqlens`` (``make_causal()``,
-  ``make_local_attention(window)``), so no compute is spent on pad tokens, and scattered back. Packing keeps
-  each row's order, so causality is unchanged; a window counts positions, which packing keeps only when a
-  row's real tokens are contiguous (prefix or suffix padding). xformers has no packed bidirectional local bias
-  with a backward kernel, so a bidirectional window over a padded batch runs one call per row on its real
-  span; and only its flash kernels (fp16/bf16) take a bidirectional window at all.
-
-torch path (CPU, no xformers, or a case xformers cannot take: a window over rows with holes, a bidirectional
-window in fp32, KV-cache steps with padding, no operator for the inputs): without a window the real tokens of
-each row are moved to the front (so causal needs no mask and no pad query costs more than the longest row) and
-one SDPA runs; with a window, a blocked band (:func:`zoo.ops.band_part`), O(n·window). One INFO log per backend
-(and reason) says which ran.
-
-``window`` w (default None = full attention): query i sees key j when ``|i − j| < w`` (causal:
-``0 ≤ i − j < w``, xformers' ``window_size``: w keys, itself included).
-
-Decoding: with a window, a :class:`zoo.cache.WindowedLayer` keeps the last ``window − 1`` keys and each new token
-attends to them (O(window) memory and work per token); without one, transformers' ``DynamicLayer`` keeps every
-key (O(n) per token, like dense attention).
+Which path runs when, and why: docs/notes/variants.md#xformers
 """
 
 from __future__ import annotations

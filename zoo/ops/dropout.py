@@ -1,22 +1,13 @@
 """Attention dropout inside the chunked CPU kernels, with nothing of size n × (keys per query) kept.
 
-torch's CPU flash kernel takes no dropout mask, so under dropout the chunked kernels (:mod:`zoo.ops.gathered`,
-:mod:`zoo.ops.union`, the global rows of :func:`zoo.ops.rows_attention`) call :func:`dropout_forward` and
-:func:`dropout_backward` instead of :func:`zoo.ops.flash.flash_forward` / ``flash_backward``: same shapes, same
-conventions (a fully masked row outputs zeros with log-sum-exp 0), computed one chunk of at most
-``CHUNK_ELEMENTS`` scores at a time: scores -> softmax statistics -> keep mask -> P·V.
+torch's CPU flash kernel takes no dropout mask, so under dropout the chunked kernels call :func:`dropout_forward`
+and :func:`dropout_backward` (same shapes and conventions as :mod:`zoo.ops.flash`), one chunk of at most
+``CHUNK_ELEMENTS`` scores at a time. Dropout acts on the final normalised probabilities, so parts merged through
+their log-sum-exps drop the joint softmax exactly. Masks are never stored: each chunk's mask is drawn from a seed of
+the call (reproducible with ``torch.manual_seed``) and redrawn in the backward; ``p`` is rounded to a multiple of
+2^-16 and kept values are scaled by ``1 / (1 − p_rounded)``.
 
-Dropout acts on the final normalised probabilities, as ``F.dropout(softmax(scores))`` does: a part's output is
-``Σ_j keep_ij · exp(s_ij − lse_i) · v_j / (1 − p)``, so parts merged through their log-sum-exps (union
-attention) give the dropout of the joint softmax, and the backward with the merged output and log-sum-exp is
-its exact gradient (``Δ_i = dO_i · O_i`` still holds with dropout, as in FlashAttention).
-
-Masks are never stored: one seed per call is drawn from torch's default generator (so ``torch.manual_seed``
-reproduces a step), and chunk c of part i draws its keep mask from a generator seeded from (seed, i, c); the
-backward draws it again (recompute, as FlashAttention does). Keep decisions compare 16 random bits with a
-threshold (four decisions per 64-bit draw: a uniform float per score costs more than the attention itself on
-CPU), so the drop probability is ``p`` rounded to a multiple of 2^-16 (FlashAttention on CUDA rounds to 2^-8)
-and kept values are scaled by the exact ``1 / (1 − p_rounded)``: the expectation is the undropped output.
+Derivation, cost and comparison with FlashAttention: docs/notes/internals.md#dropout
 """
 
 from __future__ import annotations

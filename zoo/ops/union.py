@@ -1,21 +1,12 @@
 """Softmax attention over a union of key sets ("parts") with ONE softmax per query.
 
-Some sparse patterns are the union of two structures that do not fit one blocked key set: e.g. a local band
-(consecutive queries share keys) and a strided set (queries of one residue class mod l share keys). Each
-part lays the same n queries out in its own groups -- ``(B, H, G, Q, D)``, token ``g·Q + s`` at ``[g, s]``,
-or ``s·G + g`` when ``transposed`` -- with keys ``(B, H, G, K, D)`` (views: residue columns, expanded summaries)
-and a bool ``allowed`` mask broadcastable to ``(B, 1, G, Q, K)`` (:class:`KeyPart`), or as entries over
-gathered key blocks (:class:`GatheredPart`, e.g. the band of :func:`band_part`: computed in chunks by
-:mod:`zoo.ops.gathered`). Parts must not share a (query, key) pair.
+For sparse patterns that are the union of structures one blocked key set cannot hold (a local band and a strided
+set). Each part lays the n queries out in its own groups with its keys and an ``allowed`` mask (:class:`KeyPart`), or
+as entries over gathered key blocks (:class:`GatheredPart`); parts must not share a (query, key) pair. On CPU each
+part runs the flash kernel and the parts merge through their log-sum-exps (exact joint gradient); elsewhere the
+scores are materialized per group. A query with no allowed key in any part outputs zeros.
 
-On CPU each part runs the flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``, what
-``scaled_dot_product_attention`` uses for 4-D inputs) and the parts merge through their log-sum-exps, as ring
-attention does; the backward calls the flash backward of each part with the merged output and log-sum-exp,
-which gives the exact gradient of the joint softmax. Under attention dropout each part runs
-:mod:`zoo.ops.dropout`'s chunked counterparts instead (the mask of part i drawn per chunk from the call's seed
-and i, redrawn in the backward), merged the same way. Elsewhere (CUDA, other dtypes) the parts' scores are
-materialized per group, O(n · keys per query) memory, sharing one shift and one denominator.
-A query with no allowed key in any part outputs zeros.
+Layouts, kernels and dropout: docs/notes/internals.md#union
 """
 
 from __future__ import annotations

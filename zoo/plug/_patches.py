@@ -1,47 +1,14 @@
 """Every patch attention-zoo applies to transformers internals, in one guarded place.
 
-Patched symbols (verified on transformers 5.24; the parameters each wrapper relies on are in ``PATCHES``):
+transformers has no public hook at these points, so each is a wrapper (``PATCHES``): ``PretrainedConfig.to_dict``
+(persist ``attn_implementation``), ``PreTrainedModel.get_correct_attn_implementation`` (validate at construction),
+``GenerationMixin._prepare_cache_for_generation`` (decode with the variant's own cache), ``PreTrainedModel.post_init``
+(attach variant weights) and ``PreTrainedModel._initialize_missing_keys`` (initialise the ones a checkpoint lacked).
+Each passes ``*args, **kwargs`` through, binds what it reads by name, acts only on zoo configs and models, and is
+left unpatched with a warning when :func:`check_patch_targets` finds the symbol changed. Private symbols used
+elsewhere are in ``PRIVATE_USES``; each has a canary in ``tests/test_patches.py``.
 
-* ``PretrainedConfig.to_dict`` -- adds ``"attn_implementation"`` to the dict of a config that carries a zoo
-  variant, so ``save_pretrained`` writes it and ``from_pretrained`` selects the zoo again. There is no public
-  hook to persist a custom implementation name (transformers issue #31741 is open; ``attn_implementation`` is
-  deliberately left out of config.json).
-* ``PreTrainedModel.get_correct_attn_implementation`` -- when the zoo implementation is requested, checks at
-  model construction (``from_config`` / ``from_pretrained`` / ``set_attn_implementation``) that the model
-  family calls the attention interface and that the saved variant is installed, instead of failing at the
-  first forward. transformers offers no per-implementation validation hook; the family check itself uses the
-  public ``PreTrainedModel.is_backend_compatible``.
-* ``GenerationMixin._prepare_cache_for_generation`` -- for a model configured with a zoo variant, ``generate``
-  decodes with the variant's own cache (a window with sinks, a recurrent state; :mod:`zoo.cache`) instead of the
-  ``DynamicCache`` it would build, and refuses caches that would decode different tokens (static, sliding). There
-  is no registry for third-party cache classes (unknown ``cache_implementation`` strings are rejected) and no
-  hook between choosing and building the cache; models that override this method (t5gemma, ...) are not on the
-  zoo's attention interface anyway.
-* ``PreTrainedModel.post_init`` -- after it, attaches the per-layer learned weights of a variant that declares
-  them (``Variant.make_module``, :mod:`zoo.plug.weights`) to the attention modules of a model configured for the
-  zoo, so ``from_config`` and ``from_pretrained`` build them before loading and optimizers see them. Every
-  model ends ``__init__`` with ``post_init``; transformers has no hook to add submodules at construction.
-* ``PreTrainedModel._initialize_missing_keys`` -- after it, gives the variant weights a checkpoint lacked (a
-  base BERT/RoBERTa) their deterministic values and logs them in one line. transformers would draw them with
-  the model's ``_init_weights`` (no hook for per-module initialisation of foreign submodules), and its
-  "newly initialized" report is told to skip them (``_keys_to_ignore_on_load_missing``).
-
-Private symbols and calling conventions used elsewhere (``PRIVATE_USES``, each with a canary in
-``tests/test_patches.py`` that fails naming the library version and the file to update): ``_is_hf_initialized``
-and ``_keys_to_ignore_on_load_missing`` (:mod:`zoo.plug.weights`, through :func:`mark_initialized`, :func:`was_loaded`,
-:func:`ignore_missing_keys`), ``_can_record_outputs`` (:func:`declared_attention_classes`: the attention modules a
-family declares, instead of searching ``forward``'s source), Longformer's ``_compute_global_attention_mask``
-(:mod:`zoo.convert`), ``cache.update(..., kwargs=attention_kwargs)`` (:mod:`zoo.cache`), and accelerate's shared
-state plus the Trainer's FSDP hooks (:mod:`zoo.training.distributed`).
-
-Rules every patch follows:
-
-* the wrapper passes ``*args, **kwargs`` through unchanged (``functools.wraps``) and binds the arguments it
-  reads by name against the original signature, so a new keyword in transformers does not break it;
-* it acts only on configs and models that use the zoo: every other model sees the original behaviour;
-* :func:`check_patch_targets` compares each patched symbol with the shape the patch was written for; the
-  canary test (``tests/test_patches.py``) fails with the transformers version when it changed, and
-  :func:`apply` logs a warning and leaves that symbol unpatched rather than break ``from_pretrained``.
+Why each patch, the private uses and the versions verified: docs/notes/transformers_patches.md
 """
 
 from __future__ import annotations

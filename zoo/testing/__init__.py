@@ -1,26 +1,10 @@
 """Helpers for testing an attention variant beyond the contract suite (:mod:`zoo.contract` is built on them).
 
-A plugin author's own tests use the same inputs, dense reference, allocation probe and comparisons as the suite::
+A plugin author's own tests use the same inputs (:func:`make_inputs`, :func:`make_call`, :func:`make_variant`), dense
+:func:`reference`, comparisons (:func:`assert_matches_reference`), allocation probe (:class:`LargestAllocation`),
+reload and learned-weight checks as the suite.
 
-    from zoo.testing import make_inputs, make_call, reference, assert_matches_reference, real_rows
-
-    variant = MyAttention(window=8)
-    q, k, v, mask = make_inputs(n=77)
-    call = make_call(causal=True, padding_mask=mask)
-    out = run_variant(variant, q, k, v, call)
-    assert_matches_reference(variant, real_rows(out, mask), real_rows(reference(variant, q, k, v, call), mask))
-
-* inputs: :func:`make_inputs` (q/k/v ~ N(0, 1), a padded row), :func:`make_call`, :func:`make_variant` (with the
-  variant's ``test_params``), :func:`tiny_model_config` / :func:`model_inputs` (2-layer BERT, ModernBERT, Llama);
-* the reference: :func:`reference` -- softmax attention restricted to the variant's pattern, causality and
-  padding, or the variant's own ``reference()`` (O(n²), tests only);
-* comparisons: :func:`assert_matches_reference` (exact: 1e-5; approximate: ``error_bound``), :func:`relative_error`,
-  :func:`real_rows`;
-* memory: :class:`LargestAllocation` (the largest tensor any op produces, forward and backward),
-  :func:`largest_allocation` and :func:`assert_memory_below_quadratic` (what the suite runs at n = 4096);
-* persistence: :func:`assert_reloads_identically` (save_pretrained, from_pretrained, same variant and outputs);
-* learned weights (``Variant.make_module``): :func:`make_weights` (what ``make_call(..., variant=...)`` attaches),
-  :func:`declares_weights`, :func:`assert_weights_train_and_reload` (gradients reach them, they reload identically).
+Example and the full list: docs/notes/internals.md#testing
 """
 
 from __future__ import annotations

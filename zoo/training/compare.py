@@ -1,35 +1,11 @@
 """Compare attention variants: the same fine-tune (data, seed, budget) once per variant, each its own run.
 
-``python recipes/compare.py CONFIG.yaml [--output_dir DIR] [--overwrite]``. Each run is a separate
-``accelerate launch`` (with the config's ``launcher`` file; ``launcher: null`` runs plain python), so a
-variant that crashes, runs out of memory or is not installed is recorded in the table and the others go
-on; the command exits non-zero when any run failed or timed out (after writing the report). Writes
-``results.md``, ``results.csv``, ``results.json`` and, per task, ``lra_<task>.png`` (accuracy against training
-tokens/s, bubble area = peak memory, as in the LRA paper's figure) and
-``accuracy_<task>.png`` (error bars: standard deviation over seeds). Language-modelling tasks (gutenberg_lm,
-brown_lm) report eval loss, perplexity, loss by token position and decode tokens/s instead of accuracy: the
-charts are ``lra_<task>.png`` with perplexity, ``perplexity_<task>.png`` and ``loss_by_position_<task>.png``
-(mean loss per position bucket, one line per variant: the lower the late buckets, the more far context is used).
-Every task also gets ``training_loss_<task>.png`` (training loss against step, mean over seeds), read from each
-run's ``train_log.jsonl``: whether an entry at chance was still learning when its budget ran out.
+``python recipes/compare.py CONFIG.yaml [--output_dir DIR] [--overwrite]``. Each run is a separate ``accelerate
+launch`` (or plain python with ``launcher: null``), so a variant that crashes, runs out of memory or is not
+installed is recorded in the table while the others go on; the command exits non-zero when any run failed or timed
+out (after writing the report). Writes ``results.md`` / ``.csv`` / ``.json`` and per-task charts.
 
-Config keys::
-
-    output_dir: outputs/compare_default
-    launcher: recipes/accelerate/multi_cpu.yaml   # accelerate config file, or null
-    seeds: [42]
-    timeout_minutes: 30                           # per run
-    overrides: {disable_tqdm: true}               # fine-tune keys applied to every run
-    variants:                                     # every task runs these; `name` labels the row
-      - {variant: sdpa}
-    tasks:
-      - name: brown
-        config: recipes/configs/brown/minilm_cpu.yaml     # a fine-tune config (zoo/training/finetune.py keys)
-        seeds: [0, 1, 2]                          # this task's seeds (default: the top-level ones)
-        overrides: {max_steps: 12}
-        variants:                                 # this task's own entries, after the shared ones
-          - {variant: longformer, variant_params: {window: 256}}
-          - {name: sdpa-512, variant: sdpa, max_length: 512, longify: false}   # a truncated baseline
+Outputs, charts and config keys: docs/notes/training.md#compare
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Fine-tune a sequence classifier, or train a causal language model, with an attention-zoo variant on long documents.
 
-``python recipes/finetune.py CONFIG.yaml [--key value ...]``: the YAML holds every setting of
-:class:`~zoo.training.config.FinetuneConfig` (parsed and checked in :mod:`zoo.training.config`). The output folder is
-locked for the run and resumes are exact or refused (:mod:`zoo.training.run_folder`); results and publishing are in
-:mod:`zoo.training.results`.
-The same command runs under ``accelerate launch`` (any number of processes): training is transformers'
-``Trainer``, which handles the distribution, gathers evaluation predictions exactly once per example, and
-saves / resumes checkpoints (model, optimizer, scheduler, RNG and data position).
+``python recipes/finetune.py CONFIG.yaml [--key value ...]`` (settings: :class:`~zoo.training.config.FinetuneConfig`),
+also under ``accelerate launch``: training is transformers' ``Trainer``. The task decides the kind of run
+(classification or language modelling); the output folder is locked for the run and resumes are exact or refused.
 
-The task decides the kind of run: a classification task (listops, brown, gutenberg, hub) fine-tunes an
-``AutoModelForSequenceClassification``; a language-modelling task (gutenberg_lm, brown_lm) trains an
-``AutoModelForCausalLM`` on documents cut into ``max_length`` chunks (:mod:`zoo.data.lm`), with a byte-level BPE
-tokenizer trained on the training split when the model is built from scratch, and evaluates loss by token
-position, perplexity, decode speed and a greedy sample (:mod:`zoo.training.lm`).
-
-The output_dir receives the model (config.json with the variant, model.safetensors), the tokenizer,
-``results.json`` (see :func:`results_record`), ``train_log.jsonl``, ``trainer_state.json``, the model card, and
-``eval_predictions.csv`` (classification) or ``sample.json`` / ``sample.txt`` (language modelling).
+Tasks, outputs and what each module handles: docs/notes/training.md#finetune
 """
 
 from __future__ import annotations
