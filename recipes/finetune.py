@@ -3,7 +3,7 @@
     python recipes/finetune.py recipes/configs/smoke.yaml [--key value ...]
     accelerate launch --config_file recipes/accelerate/multi_cpu.yaml recipes/finetune.py recipes/configs/smoke.yaml
 
-The logic lives in zoo/training/finetune.py (FinetuneConfig lists every key).
+The logic lives in zoo/training/finetune.py (FinetuneConfig in zoo/training/config.py lists every key).
 """
 
 from zoo.training.finetune import main
