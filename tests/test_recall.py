@@ -8,6 +8,7 @@ import torch
 from transformers import EvalPrediction
 
 from zoo.data import mqar, task_tokenizer
+from zoo.data.labels import IGNORE_INDEX, NO_DISTANCE
 from zoo.training import recall
 
 SMALL = {"vocab_size": 64, "seq_len": 32, "num_kv_pairs": 4, "num_train_examples": 200,
@@ -24,19 +25,19 @@ def test_answers_are_recoverable_from_the_input(small):
     for row in small["test"]:
         ids, labels, distance = row["input_ids"], row["labels"], row["distance"]
         pairs = dict(zip(ids[0:8:2], ids[1:8:2], strict=True))
-        answers = [p for p, label in enumerate(labels) if label != recall.IGNORE_INDEX]
+        answers = [p for p, label in enumerate(labels) if label != IGNORE_INDEX]
         assert len(answers) == SMALL["num_kv_pairs"]
         for p in answers:
             query = ids[p - 1]
             assert 1 <= query < half and labels[p] == pairs[query] >= half
             assert ids[p - 1 - distance[p]] == query  # the key stands `distance` tokens before the query
-        assert all(d == recall.NO_DISTANCE for p, d in enumerate(distance) if p not in answers)
+        assert all(d == NO_DISTANCE for p, d in enumerate(distance) if p not in answers)
 
 
 def test_labels_only_at_answer_positions(small):
     labels = np.asarray(small["train"]["labels"])
-    assert (labels != recall.IGNORE_INDEX).sum(axis=1).tolist() == [4] * len(labels)
-    assert (labels[:, :9] == recall.IGNORE_INDEX).all()  # never inside the key-value pairs or on the first query
+    assert (labels != IGNORE_INDEX).sum(axis=1).tolist() == [4] * len(labels)
+    assert (labels[:, :9] == IGNORE_INDEX).all()  # never inside the key-value pairs or on the first query
 
 
 def test_no_sequence_is_in_two_splits(small):
@@ -62,7 +63,7 @@ def test_gaps_follow_the_power_law():
     data = mqar.build(vocab_size=512, seq_len=256, num_kv_pairs=4, num_train_examples=400, num_validation_examples=1,
                       num_test_examples=1, seed=0)  # fmt: skip
     distance = np.asarray(data["train"]["distance"])
-    distance = distance[distance != recall.NO_DISTANCE]
+    distance = distance[distance != NO_DISTANCE]
     assert np.median(distance) < 64 and distance.max() > 128  # mostly near, a few far (a = 0.01)
 
 
@@ -88,7 +89,7 @@ def test_accuracy_by_distance_counts_answers_in_their_bucket(small):
     predictions[distance >= 8] = 0  # wrong on every answer 8 or more tokens from its key
     computer = recall.RecallAccuracy(test)
     metrics = computer(EvalPrediction(predictions=predictions, label_ids=labels))
-    answers = labels != recall.IGNORE_INDEX
+    answers = labels != IGNORE_INDEX
     assert metrics["accuracy"] == pytest.approx(((distance < 8) & answers).sum() / answers.sum())
     for bucket in computer.by_distance:
         if bucket["answers"]:
@@ -103,7 +104,7 @@ def test_metrics_refuse_predictions_out_of_order(small):
 
 
 def test_in_context_guess_is_one_over_each_sequences_distinct_answers(small):
-    labels = np.full((2, 6), recall.IGNORE_INDEX)
+    labels = np.full((2, 6), IGNORE_INDEX)
     labels[0, [1, 3, 5]] = [40, 41, 42]  # three distinct answers: a blind pick among them hits 1/3
     labels[1, [2, 4]] = [40, 40]  # one distinct answer: a pick always hits
     example = {"labels": labels.tolist(), "distance": np.where(labels >= 0, 2, -1).tolist()}
@@ -118,7 +119,7 @@ def test_in_context_guess_is_one_over_each_sequences_distinct_answers(small):
 def test_predicted_tokens_are_the_previous_positions_argmax():
     logits = torch.zeros(1, 3, 5)
     logits[0, 0, 4] = logits[0, 1, 2] = 1
-    assert recall.predicted_tokens(logits, None).tolist() == [[recall.IGNORE_INDEX, 4, 2]]
+    assert recall.predicted_tokens(logits, None).tolist() == [[IGNORE_INDEX, 4, 2]]
 
 
 def _entry(name, accuracy, std, seeds, majority=0.01, answers=1000, guess=0.25):
@@ -152,7 +153,7 @@ def test_passkey_answer_is_the_needle_and_labels_only_there(keys):
     for row in keys["test"]:
         ids, labels, distance = row["input_ids"], row["labels"], row["distance"]
         assert len(ids) == 256
-        answer = [p for p, label in enumerate(labels) if label != recall.IGNORE_INDEX]
+        answer = [p for p, label in enumerate(labels) if label != IGNORE_INDEX]
         assert answer == list(range(251, 256))  # the 5 digits at the end, nothing else labelled
         key = bytes(ids[p] for p in answer).decode()
         assert key.isdigit() and f"The pass key is {key}. Remember it." in bytes(ids).decode("latin-1")
@@ -183,7 +184,7 @@ def test_passkey_mixes_train_lengths_and_tests_at_the_full_context():
     for row in mixed["train"]:  # every length keeps the answer at its end, pointing back at the needle
         ids, labels, distance = row["input_ids"], row["labels"], row["distance"]
         answer = list(range(len(ids) - 5, len(ids)))
-        assert [p for p, label in enumerate(labels) if label != recall.IGNORE_INDEX] == answer
+        assert [p for p, label in enumerate(labels) if label != IGNORE_INDEX] == answer
         assert all(ids[p - distance[p]] == ids[p] for p in answer)
     with pytest.raises(ValueError, match="min_train_context_length=512 must lie in"):
         passkey.build(context_length=256, min_train_context_length=512)
