@@ -57,8 +57,8 @@ prometheus-client propcache protobuf psutil pyarrow pybind11 py-cpuinfo pygments
 pyre-extensions pytest pytest-benchmark pytest-cov pytest-mock pytest-timeout pytest-xdist python-dateutil pyyaml
 regex requests rich sacrebleu scikit-build-core scikit-image scikit-learn scipy seaborn setuptools shellingham
 simplejson six sortedcontainers statsmodels sympy tabulate tensorboard tensorboard-data-server tensorstore
-threadpoolctl tifffile timm toolz torch-geometric torchdiffeq tqdm treescope typer typing-extensions typing-inspect urllib3
-uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp
+threadpoolctl tifffile timm toolz torch-geometric torchdiffeq tqdm treescope typer typing-extensions
+typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp
 """.split())
 MACHINE_MARKERS = {  # what environment markers see there
     "python_version": MACHINE_PYTHON.rsplit(".", 1)[0], "python_full_version": MACHINE_PYTHON, "os_name": "posix",
