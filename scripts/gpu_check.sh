@@ -177,14 +177,14 @@ run_step() {
   [ "$rc" = 0 ] || tail -n 5 "$DIR/$log" | sed 's/^/   | /'
 }
 
-section() {  # the markdown sections of $1 whose headings start with the later arguments
+section() {  # the markdown sections of $1 whose headings start with the later arguments, one level down, no images
   local file=$1
   shift
   [ -f "$file" ] || return 1
   awk -v heads="$(IFS='|'; echo "$*")" '
     BEGIN { n = split(heads, h, "|") }
-    /^## / { on = 0; for (i = 1; i <= n; i++) if (index($0, "## " h[i]) == 1) on = 1 }
-    on' "$file"
+    /^## / { on = 0; for (i = 1; i <= n; i++) if (index($0, "## " h[i]) == 1) on = 1; if (on) $0 = "#" $0 }
+    on && !/^!\[/' "$file"
 }
 
 key_table() {  # what one step produced that matters, in markdown
