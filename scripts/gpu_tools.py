@@ -16,6 +16,7 @@ import argparse
 import importlib
 import importlib.metadata as metadata
 import importlib.util
+import inspect
 import json
 import shutil
 import subprocess
@@ -252,6 +253,42 @@ def unsatisfied(site: Path) -> list[str]:
     return found
 
 
+# what the zoo calls of torch's FlexAttention (with the keywords it passes) and of transformers' plug points
+FLEX_API = {"flex_attention": ["block_mask", "scale", "enable_gqa"], "create_block_mask": ["device"],
+            "BlockMask.from_kv_blocks": ["BLOCK_SIZE", "mask_mod", "seq_lengths"]}
+TRANSFORMERS_API = {"AttentionInterface.register": [], "AttentionMaskInterface.register": [],
+                    "masking_utils.and_masks": [], "masking_utils.or_masks": [],
+                    "masking_utils.causal_mask_function": [], "masking_utils.padding_mask_function": [],
+                    "masking_utils.flash_attention_mask": []}
+
+
+def resolve(module_name: str, dotted: str):
+    """``module_name.dotted`` (``masking_utils.and_masks``, ``BlockMask.from_kv_blocks``), None when absent."""
+    parts = dotted.split(".")
+    for cut in range(len(parts) - 1, -1, -1):  # the longest prefix that is a module
+        try:
+            target = importlib.import_module(".".join([module_name, *parts[:cut]]))
+        except ImportError:
+            continue
+        for part in parts[cut:]:
+            target = getattr(target, part, None)
+        return target
+    return None
+
+
+def missing_api(module_name: str, api: dict[str, list[str]]) -> list[str]:
+    """The names of ``api`` (below ``module_name``, each with the keywords it must take) that are not there."""
+    missing = []
+    for name, keywords in api.items():
+        target = resolve(module_name, name)
+        if target is None:
+            missing.append(name)
+            continue
+        parameters = inspect.signature(target).parameters
+        missing += [f"{name}({word}=)" for word in keywords if word not in parameters]
+    return missing
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     site = args.site.resolve()
     rows: list[tuple[str, str, str]] = [("python", sys.version.split()[0], sys.executable)]
@@ -271,12 +308,11 @@ def cmd_env(args: argparse.Namespace) -> int:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=30)
         rows.append(("nvidia-smi", smi.stdout.strip() or smi.stderr.strip(), "driver"))
-    try:
-        from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention  # noqa: F401
-
-        rows.append(("FlexAttention API", "flex_attention, create_block_mask, BlockMask", "torch"))
-    except ImportError as exc:
-        problems.append(f"torch {torch.__version__} lacks the FlexAttention API the check uses: {exc}")
+    missing = missing_api("torch.nn.attention.flex_attention", FLEX_API)
+    if missing:
+        problems.append(f"torch {torch.__version__} lacks FlexAttention's {', '.join(missing)}")
+    else:
+        rows.append(("FlexAttention API", ", ".join(FLEX_API), "torch"))
     for name in REPORTED:
         try:
             dist = metadata.distribution(name)
@@ -294,6 +330,11 @@ def cmd_env(args: argparse.Namespace) -> int:
         if carried_transformers is not None and transformers.__version__ != carried_transformers.version:
             problems.append(f"transformers {transformers.__version__} imported, not the carried "
                             f"{carried_transformers.version}")
+        missing = missing_api("transformers", TRANSFORMERS_API)
+        if missing:
+            problems.append(f"transformers {transformers.__version__} lacks {', '.join(missing)}")
+        else:
+            rows.append(("transformers plug points", "attention and mask interfaces, masking_utils", "transformers"))
     imported = try_import("zoo")
     if imported.startswith("import failed"):
         problems.append(f"zoo: {imported}")

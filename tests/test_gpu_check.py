@@ -107,3 +107,11 @@ def test_bench_dry_run_checks_the_flags_without_a_gpu(capsys):
     assert "--device cuda --backend auto" in capsys.readouterr().out
     assert tools.main([*args, "--variant_params", "longformer.no_such_param=1"]) == 2
     assert tools.main(["zoo", "bench", "--decode", "--device", "cuda", "--dry_run"]) == 2  # decode: CPU only
+
+
+def test_the_api_check_names_what_torch_or_transformers_lacks():
+    tools = load_tools()
+    assert tools.missing_api("torch.nn.attention.flex_attention", tools.FLEX_API) == []
+    assert tools.missing_api("transformers", tools.TRANSFORMERS_API) == []
+    assert tools.missing_api("transformers", {"masking_utils.no_such_mask": [], "AttentionInterface.register": [
+        "no_such_keyword"]}) == ["masking_utils.no_such_mask", "AttentionInterface.register(no_such_keyword=)"]
