@@ -84,6 +84,7 @@ step_install() {
     return 1
   elif [ ! -e "${carried[0]}" ]; then
     echo "no $WHEELS/*.whl (scripts/gpu_wheels.sh not run here): the rehearsal builds the project wheel itself"
+    rm -rf build  # files an earlier build left in build/lib would go into the wheel
     "$PY" -m pip wheel -q --no-deps --no-build-isolation . -w "$SCRATCH/wheel" || return 1
     install=("$SCRATCH"/wheel/*.whl)
   elif [ "$MODE" = rehearse ]; then

@@ -32,6 +32,7 @@ download() {
 download "transformers==$transformers" "datasets==$(venv_version datasets)" "evaluate==$(venv_version evaluate)" \
   "dill==$(venv_version dill)" "multiprocess==$(venv_version multiprocess)" "xformers==$(venv_version xformers)" \
   "fla-core==$FLA" "flash-linear-attention==$FLA"
+rm -rf build  # setuptools would ship files left in build/lib by an earlier build (a module moved since)
 "$PY" -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation . -w "$WHL"
 
 tree_bytes=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null |
