@@ -49,7 +49,8 @@ tree_bytes=$(git ls-files -z --cached --others --exclude-standard | xargs -0 sta
   --why "attention-zoo=the project: the tree alone lacks zoo.variants (mapped from variants/) and its entry points"
 cat <<'EOF'
 Not on PyPI: an xformers build for torch 2.11 + CUDA 13 (PyPI holds one Linux wheel per version; the one above says
-what it was built for). Its C++/CUDA extension will not load there (it links libcudart.so.12); xformers then runs its
-attention through PyTorch's own flash/cutlass kernels, and the check's env step and log say which ran.
+what it was built for). Its C++/CUDA extension will not load there (it links libcudart.so.12); xformers 0.0.35's
+attention needs none of it: its source sends the fa2 and cutlass operators to PyTorch's own kernels (aten), and the
+check's env log (python3 -m xformers.info) says which operators are available there.
 flash-linear-attention and fla-core have no per-torch/CUDA builds to match: they are pure Python over triton.
 EOF
