@@ -8,11 +8,13 @@ fine-tune and compare recipes too); the hyphenated spelling (``--output-dir``) i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 import torch
 
+from zoo.bench.contestants import FailedContestant
 from zoo.bench.decode import (
     DECODE_LENGTHS,
     DecodeSettings,
@@ -109,6 +111,9 @@ def add_subcommand(subparsers) -> None:
     # output
     add_flag(p, "output_dir", type=Path, help="default: runs/bench (--decode: runs/bench-decode)")
     add_flag(p, "no_progress", action="store_true")
+    add_flag(p, "dry_run", action="store_true",
+             help="check the flags and set up the contestants, print the run as one command, measure nothing "
+             "(--device cuda is accepted without a GPU here)")
     p.set_defaults(func=cmd_bench)
 
 
@@ -171,6 +176,16 @@ def decode_command_line(settings: DecodeSettings, args: argparse.Namespace) -> s
     return " ".join(parts)
 
 
+def dry_run_done(command: str, names: list[str], broken: list[str]) -> int:
+    """``--dry_run``'s report: 0 when every contestant could be set up, else 2 (what a real run would record as
+    error rows)."""
+    print(f"zoo bench --dry_run: would run {command}")
+    print(f"zoo bench --dry_run: contestants {', '.join(names)}")
+    for line in broken:
+        print(f"zoo bench --dry_run: cannot set up {line}", file=sys.stderr)
+    return 2 if broken else 0
+
+
 def cmd_decode(args: argparse.Namespace) -> int:
     args.output_dir = args.output_dir or Path("runs/bench-decode")
     try:
@@ -180,6 +195,8 @@ def cmd_decode(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
         return 2
+    if args.dry_run:
+        return dry_run_done(decode_command_line(settings, args), [c.name for c in contestants], [])
     with attention_backend(args.backend):
         report = run_decode_benchmark(settings, contestants, progress=not args.no_progress)
     paths = write_decode_outputs(report, args.output_dir, decode_command_line(settings, args))
@@ -193,11 +210,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     args.output_dir = args.output_dir or Path("runs/bench")
     try:
         settings = settings_from_args(args)
-        settings.check()
+        # a dry run checks every setting but the presence of the GPU it is prepared for
+        (dataclasses.replace(settings, device="cpu") if args.dry_run else settings).check()
         contestants = make_contestants(args.variants, parse_variant_params(args.variant_params))
     except ValueError as exc:  # VariantParameterError included
         print(str(exc), file=sys.stderr)
         return 2
+    if args.dry_run:
+        broken = [f"{c.name}: {c.error}" for c in contestants if isinstance(c, FailedContestant)]
+        return dry_run_done(command_line(settings, args), [c.name for c in contestants], broken)
     with attention_backend(args.backend):
         report = run_benchmark(settings, contestants, progress=not args.no_progress)
     paths = write_outputs(report, args.output_dir, command_line(settings, args))
