@@ -35,7 +35,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.cache import RecurrentLayer
-from zoo.ops.delta_rule import DEFAULT_CHUNK, compute_dtype, delta_rule, delta_rule_flops, delta_rule_recurrence
+from zoo.ops.delta_rule import (
+    DEFAULT_CHUNK,
+    carried,
+    compute_dtype,
+    delta_rule,
+    delta_rule_flops,
+    delta_rule_recurrence,
+)
 from zoo.ops.short_conv import ShortConv, gate_source
 from zoo.variant import AttentionCall, LayerWeights, Param, Variant
 
@@ -110,11 +117,8 @@ class DeltaNetAttention(Variant):
         state = call.cache.state if isinstance(call.cache, RecurrentLayer) else None
         dtype = v.dtype
         q, k, v, beta, log_decay = self.prepare(q, k, v, call, state)
-        out, final = delta_rule(q, k, v, beta, log_decay, q.shape[-1] ** -0.5, self.chunk_size,
-                                None if state is None else state.get(STATE))
-        if state is not None:
-            state[STATE] = final
-        return out.to(dtype)
+        return carried(delta_rule, state, STATE, q, k, v, beta, log_decay, q.shape[-1] ** -0.5,
+                       self.chunk_size).to(dtype)
 
     def reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         """The recurrence, token by token (tests and the contract suite)."""

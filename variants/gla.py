@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from zoo.cache import RecurrentLayer
-from zoo.ops.delta_rule import compute_dtype
+from zoo.ops.delta_rule import carried, compute_dtype
 from zoo.ops.gated_linear import (
     LowRankDecay,
     Mamba2Decay,
@@ -109,11 +109,8 @@ class GLAAttention(Variant):
         state = call.cache.state if isinstance(call.cache, RecurrentLayer) else None
         dtype = v.dtype
         q, k, v, log_decay = self.prepare(q, k, v, call, state)
-        out, final = gated_linear_attention(q, k, v, log_decay, q.shape[-1] ** -0.5, self.chunk_size,
-                                            None if state is None else state.get(STATE))
-        if state is not None:
-            state[STATE] = final
-        return out.to(dtype)
+        return carried(gated_linear_attention, state, STATE, q, k, v, log_decay, q.shape[-1] ** -0.5,
+                       self.chunk_size).to(dtype)
 
     def reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         dtype = v.dtype

@@ -35,6 +35,15 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def carried(kernel, state: dict | None, key: str, *args, **kwargs) -> torch.Tensor:
+    """``kernel(*args, initial_state=state[key])``'s output, ``state[key]`` replaced by its final state; without a
+    ``state`` (a recurrent cache's dict) it starts from zeros and keeps nothing."""
+    out, final = kernel(*args, initial_state=None if state is None else state.get(key), **kwargs)
+    if state is not None:
+        state[key] = final
+    return out
+
+
 def delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
