@@ -15,6 +15,9 @@ Per head a d_k x d_v state is corrected toward each new value instead of summed 
   read the keys with the heads merged (:func:`zoo.ops.short_conv.gate_source`).
 * ``short_conv`` (default 4, 0 = off): a learned causal depthwise convolution of that many taps on q, k and v
   (:class:`zoo.ops.short_conv.ShortConv`, ``attention_zoo.conv.{q,k,v}.weight``).
+* ``output_norm`` (default True): each head's output is RMS-normalized with a learned gain (d_v,), started at 1
+  (:class:`zoo.ops.gated_linear.OutputNorm`, ``attention_zoo.norm.weight``; fla's ``o_norm``), which gives the
+  readout a fixed scale; fla's output gate is left out (the host's output projection follows).
 * Position encodings: the kernel receives q and k after the host model's rotary embedding (Llama), which then rotates
   the keys the state stores; GPT-2's absolute positions reach q/k through the hidden states instead.
 
@@ -43,6 +46,7 @@ from zoo.ops.delta_rule import (
     delta_rule_flops,
     delta_rule_recurrence,
 )
+from zoo.ops.gated_linear import OutputNorm, normalized
 from zoo.ops.short_conv import ShortConv, gate_source
 from zoo.variant import AttentionCall, LayerWeights, Param, Variant
 
@@ -54,11 +58,12 @@ class DeltaNetWeights(LayerWeights):
 
     needs_hidden_states = True
 
-    def __init__(self, hidden_size: int, heads: int, head_dim: int, short_conv: int) -> None:
+    def __init__(self, hidden_size: int, heads: int, head_dim: int, short_conv: int, output_norm: bool) -> None:
         super().__init__()
         self.beta = nn.Linear(hidden_size, heads, bias=False)
         nn.init.xavier_uniform_(self.beta.weight, gain=2**-2.5)
         self.conv = ShortConv(heads, head_dim, short_conv) if short_conv else None
+        self.norm = OutputNorm(head_dim) if output_norm else None
 
 
 class DeltaNetAttention(Variant):
@@ -72,12 +77,13 @@ class DeltaNetAttention(Variant):
         "short_conv": Param(4, int, "taps of the causal depthwise convolution on q, k, v (0 = off)", min=0, max=64),
         "allow_negative_eigenvalues": Param(False, bool, "β ∈ (0, 2) instead of (0, 1)"),
         "chunk_size": Param(DEFAULT_CHUNK, int, "tokens per chunk of the chunkwise kernel", min=1),
+        "output_norm": Param(True, bool, "RMS-normalize each head's output, learned gain (fla's o_norm)"),
     }
     error_bound = 1e-4  # relative error vs ``reference`` (the recurrence), fp32 rounding
     test_params = {"chunk_size": 16}  # several chunks, the last one partial, at the contract suite's n = 100
 
     def make_module(self, layer_idx: int, config, head_dim: int, num_heads: int) -> nn.Module:
-        return DeltaNetWeights(config.hidden_size, num_heads, head_dim, self.short_conv)
+        return DeltaNetWeights(config.hidden_size, num_heads, head_dim, self.short_conv, self.output_norm)
 
     def cache_layer(self, layer_idx: int, config) -> RecurrentLayer:
         return RecurrentLayer()
@@ -117,14 +123,15 @@ class DeltaNetAttention(Variant):
         state = call.cache.state if isinstance(call.cache, RecurrentLayer) else None
         dtype = v.dtype
         q, k, v, beta, log_decay = self.prepare(q, k, v, call, state)
-        return carried(delta_rule, state, STATE, q, k, v, beta, log_decay, q.shape[-1] ** -0.5,
-                       self.chunk_size).to(dtype)
+        out = carried(delta_rule, state, STATE, q, k, v, beta, log_decay, q.shape[-1] ** -0.5, self.chunk_size)
+        return normalized(call.weights, out).to(dtype)
 
     def reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         """The recurrence, token by token (tests and the contract suite)."""
         dtype = v.dtype
         q, k, v, beta, log_decay = self.prepare(q, k, v, call)
-        return delta_rule_recurrence(q, k, v, beta, log_decay, q.shape[-1] ** -0.5)[0].to(dtype)
+        out = delta_rule_recurrence(q, k, v, beta, log_decay, q.shape[-1] ** -0.5)[0]
+        return normalized(call.weights, out).to(dtype)
 
     def flops(self, n: int, heads: int, head_dim: int, causal: bool = False) -> float:
         return heads * delta_rule_flops(n, head_dim, head_dim, self.chunk_size)

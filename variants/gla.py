@@ -12,8 +12,9 @@
 * ``"fixed"``: RetNet's per-head γ_h = 1 − 2^(−5−h), no learned gate.
 
 q and k enter as the model gives them (fla's GLA has no feature map; with ``short_conv`` > 0 they are SiLU of their
-convolution, as are the values); the output is not normalized (no denominator, as in GLA and RetNet) and is scaled
-by d_k^−½. The paper's output gate and norm belong to its own block and are left out. Gates read the attention
+convolution, as are the values); there is no denominator (as in GLA and RetNet): the output is scaled by d_k^−½,
+then RMS-normalized per head with a learned gain (``output_norm``, default True: fla's ``g_norm``,
+:class:`zoo.ops.gated_linear.OutputNorm`). The paper's output gate is left out. Gates read the attention
 module's input hidden states (outside a model: the keys, heads merged). Padded tokens write nothing (k, v and the
 convolution inputs zeroed, α = 1). Kernel: :func:`zoo.ops.gated_linear.gated_linear_attention` (chunkwise, every
 exponent ≤ 0); :meth:`reference` is the recurrence. The host's rotary embedding reaches q and k before the kernel.
@@ -32,9 +33,11 @@ from zoo.ops.delta_rule import carried, compute_dtype
 from zoo.ops.gated_linear import (
     LowRankDecay,
     Mamba2Decay,
+    OutputNorm,
     gated_linear_attention,
     gated_linear_flops,
     gated_linear_recurrence,
+    normalized,
     retnet_log_decay,
 )
 from zoo.ops.short_conv import ShortConv, gate_source
@@ -48,7 +51,8 @@ class GLAWeights(LayerWeights):
 
     needs_hidden_states = True
 
-    def __init__(self, hidden_size: int, heads: int, head_dim: int, decay: str, short_conv: int) -> None:
+    def __init__(self, hidden_size: int, heads: int, head_dim: int, decay: str, short_conv: int,
+                 output_norm: bool) -> None:
         super().__init__()
         self.hidden_size = hidden_size
         if decay == "channel":
@@ -58,6 +62,7 @@ class GLAWeights(LayerWeights):
         else:
             self.decay = None
         self.conv = ShortConv(heads, head_dim, short_conv) if short_conv else None
+        self.norm = OutputNorm(head_dim) if output_norm else None
 
 
 class GLAAttention(Variant):
@@ -72,21 +77,26 @@ class GLAAttention(Variant):
                        "'fixed': RetNet's γ_h = 1 − 2^(−5−h)", choices=("channel", "scalar", "fixed")),
         "short_conv": Param(4, int, "taps of the causal depthwise convolution on q, k, v (0 = off)", min=0, max=64),
         "chunk_size": Param(None, int, "tokens per chunk (None: 16 per-channel, 64 per-head)", min=1, optional=True),
+        "output_norm": Param(True, bool, "RMS-normalize each head's output, learned gain (fla's g_norm)"),
     }
     error_bound = 1e-4  # relative error vs ``reference`` (the recurrence)
     test_params = {"chunk_size": 16}
 
     def make_module(self, layer_idx: int, config, head_dim: int, num_heads: int) -> nn.Module | None:
-        if self.decay == "fixed" and not self.short_conv:
+        if not self.learns():
             return None
-        return GLAWeights(config.hidden_size, num_heads, head_dim, self.decay, self.short_conv)
+        return GLAWeights(config.hidden_size, num_heads, head_dim, self.decay, self.short_conv, self.output_norm)
+
+    def learns(self) -> bool:
+        """False for RetNet's fixed decay without convolution or norm: nothing to learn."""
+        return self.decay != "fixed" or bool(self.short_conv) or self.output_norm
 
     def cache_layer(self, layer_idx: int, config) -> RecurrentLayer:
         return RecurrentLayer()
 
     def prepare(self, q, k, v, call: AttentionCall, state: dict | None = None):
         """(q, k, v, log α) in the compute dtype, padded tokens zeroed (log α = 0 there)."""
-        weights = call.weights if self.decay == "fixed" and not self.short_conv else self.layer_weights(call)
+        weights = self.layer_weights(call) if self.learns() else None
         dtype = compute_dtype(q)
         mask = call.padding_mask
         with torch.autocast(device_type=q.device.type, enabled=False):
@@ -109,13 +119,14 @@ class GLAAttention(Variant):
         state = call.cache.state if isinstance(call.cache, RecurrentLayer) else None
         dtype = v.dtype
         q, k, v, log_decay = self.prepare(q, k, v, call, state)
-        return carried(gated_linear_attention, state, STATE, q, k, v, log_decay, q.shape[-1] ** -0.5,
-                       self.chunk_size).to(dtype)
+        out = carried(gated_linear_attention, state, STATE, q, k, v, log_decay, q.shape[-1] ** -0.5, self.chunk_size)
+        return normalized(call.weights, out).to(dtype)
 
     def reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         dtype = v.dtype
         q, k, v, log_decay = self.prepare(q, k, v, call)
-        return gated_linear_recurrence(q, k, v, log_decay, q.shape[-1] ** -0.5)[0].to(dtype)
+        out = gated_linear_recurrence(q, k, v, log_decay, q.shape[-1] ** -0.5)[0]
+        return normalized(call.weights, out).to(dtype)
 
     def flops(self, n: int, heads: int, head_dim: int, causal: bool = False) -> float:
         return heads * gated_linear_flops(n, head_dim, head_dim, self.decay == "channel", self.chunk_size)

@@ -160,3 +160,27 @@ class Mamba2Decay(nn.Module):
 def retnet_log_decay(heads: int) -> torch.Tensor:
     """RetNet's fixed per-head decays, log γ_h with γ_h = 1 − 2^(−5−h) (h = 0 .. heads − 1), fp64."""
     return torch.log1p(-(2.0 ** (-5.0 - torch.arange(heads, dtype=torch.float64))))
+
+
+class OutputNorm(nn.Module):
+    """RMS norm of each head's output with a learned gain (d_v,) shared by the heads, started at 1 (eps 1e-5): the
+    ``o_norm`` flash-linear-attention's recurrent layers apply before the output projection. An unnormalized state's
+    readout has no fixed scale (d_k^−½ · Sᵀq is a few times smaller than softmax attention's value average at the
+    start); the norm gives it one."""
+
+    def __init__(self, head_dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(head_dim))
+
+    def forward(self, out: torch.Tensor) -> torch.Tensor:
+        """out (B, H, n, d_v) -> the same shape and dtype, normalized in fp32 (fp64 for fp64)."""
+        x = out.to(compute_dtype(out))
+        x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps) * self.weight.to(x.dtype)
+        return x.to(out.dtype)
+
+
+def normalized(weights: nn.Module | None, out: torch.Tensor) -> torch.Tensor:
+    """``out`` through the layer weights' :class:`OutputNorm` (``weights.norm``) when they have one."""
+    norm = getattr(weights, "norm", None)
+    return norm(out) if norm is not None else out
