@@ -62,7 +62,7 @@ def test_gradients_equal_the_recurrences(per_channel):
 def test_fixed_decay_is_retnets():
     gamma = retnet_log_decay(4).exp()
     torch.testing.assert_close(gamma, 1 - 2.0 ** (-5 - torch.arange(4, dtype=torch.float64)))
-    variant = GLAAttention(decay="fixed", short_conv=0)
+    variant = GLAAttention(decay="fixed", short_conv=0, output_norm=False)
     assert testing.make_weights(variant) is None  # nothing learned
     q, k, v, mask = testing.make_inputs(padding="left")
     call = testing.make_call(True, mask, variant=variant)
