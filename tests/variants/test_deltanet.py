@@ -136,6 +136,7 @@ def test_weights_start_as_documented():
     dt = torch.nn.functional.softplus(layer.decay.dt_bias)
     assert ((1e-4 <= dt) & (dt <= 0.1 + 1e-6)).all()
     assert layer.conv.q.weight.shape == (4 * 8, 1, 4) and layer.conv.q.weight.abs().max() <= 0.5  # U(±1/√4)
+    assert (layer.norm.weight == 1).all() and layer.norm.weight.shape == (8,)  # one gain per value channel
 
 
 def llama(name: str, **params):
