@@ -249,3 +249,24 @@ def test_gated_decay_is_zero_on_padding_and_in_range():
     _, _, _, _, log_decay = variant.prepare(q, k, v, testing.make_call(True, mask, variant=variant))
     real = mask[:, None].expand_as(log_decay)
     assert (log_decay[~real] == 0).all() and (log_decay[real] < 0).all()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "mistral", "qwen2"])
+def test_other_families_decode_like_the_full_forward(family):
+    """GPT-2 (absolute positions, no rotary), Mistral (one kv head) and Qwen2 hand the hidden states and the cache
+    over like Llama."""
+    small = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    config = {
+        "gpt2": lambda: transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=1,
+                                                eos_token_id=2),
+        "mistral": lambda: transformers.MistralConfig(**small, num_key_value_heads=1, sliding_window=None),
+        "qwen2": lambda: transformers.Qwen2Config(**small, num_key_value_heads=2),
+    }[family]()
+    zoo.configure(config, "gated_deltanet")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8)
+        ids, mask = testing.decode_prompts()
+        torch.testing.assert_close(testing.greedy(model, ids, mask), testing.greedy(model, ids, mask, use_cache=False),
+                                   rtol=0, atol=0)
