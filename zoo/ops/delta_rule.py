@@ -93,12 +93,15 @@ def delta_rule(
         scores = scores.masked_fill(~causal, 0.0)
         state = (initial_state.to(dtype) if initial_state is not None
                  else v.new_zeros(batch, heads, d_k, d_v))
+        # unbind once: indexing chunk c of a whole-sequence tensor would give each chunk a whole-sequence gradient
+        per_chunk = zip(*(x.unbind(2) for x in (u, w, queries, scores, state_keys)), strict=True)
+        decays = chunk_decay.unbind(2) if chunk_decay is not None else [None] * chunks
         outs = []
-        for c in range(chunks):
-            delta = u[:, :, c] - torch.matmul(w[:, :, c], state)
-            outs.append(torch.matmul(queries[:, :, c], state) + torch.matmul(scores[:, :, c], delta))
-            carried = state if chunk_decay is None else state * chunk_decay[:, :, c, None, None]
-            state = carried + torch.matmul(state_keys[:, :, c].transpose(-1, -2), delta)
+        for (u_c, w_c, q_c, scores_c, keys_c), decay in zip(per_chunk, decays, strict=True):
+            delta = u_c - torch.matmul(w_c, state)
+            outs.append(torch.matmul(q_c, state) + torch.matmul(scores_c, delta))
+            carried = state if decay is None else state * decay[..., None, None]
+            state = carried + torch.matmul(keys_c.transpose(-1, -2), delta)
         out = torch.stack(outs, dim=2).reshape(batch, heads, chunks * chunk, d_v)[:, :, :n]
     return out.to(out_dtype), state
 

@@ -74,10 +74,11 @@ def gated_linear_attention(
             chunk_decay = b[..., -1].exp()[..., None, None]  # (B, H, c, 1, 1)
         intra = torch.matmul(scores, vc)  # (B, H, c, C, d_v): inside each chunk, all chunks at once
         state = initial_state.to(dtype) if initial_state is not None else v.new_zeros(batch, heads, d_k, d_v)
-        outs = []
-        for c in range(chunks):
-            outs.append(torch.matmul(queries[:, :, c], state) + intra[:, :, c])
-            state = chunk_decay[:, :, c] * state + torch.matmul(state_keys[:, :, c].transpose(-1, -2), vc[:, :, c])
+        outs = []  # chunks unbound once (see zoo.ops.delta_rule): no whole-sequence gradient per chunk
+        for q_c, intra_c, decay, keys_c, v_c in zip(*(x.unbind(2) for x in (queries, intra, chunk_decay, state_keys,
+                                                                             vc)), strict=True):
+            outs.append(torch.matmul(q_c, state) + intra_c)
+            state = decay * state + torch.matmul(keys_c.transpose(-1, -2), v_c)
         out = torch.stack(outs, dim=2).reshape(batch, heads, chunks * chunk, d_v)[:, :, :n]
     return out.to(out_dtype), state
 
