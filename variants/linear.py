@@ -11,6 +11,10 @@ Decoding (:class:`zoo.cache.RecurrentLayer`, the RNN view of the paper): the cac
 S = Σφ(k)ᵀ[v, 1] per batch row and head (h·d·(d + 1) fp32 numbers per layer, whatever the context length);
 prefill builds it in the same chunked O(n) pass, each new token costs O(d²). It cannot be rolled back
 (assisted decoding is refused with a clear error).
+
+``short_conv`` (default 0 = off, as saved models and the main job were trained): a learned causal depthwise
+convolution of that many taps on q, k and v before φ (:class:`zoo.ops.short_conv.ShortConv`, weights
+``attention_zoo.{q,k,v}.weight``; its last inputs join the decoding state).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from zoo.ops import (
     linear_attention_flops,
     linear_attention_reference,
 )
+from zoo.ops.short_conv import ShortConv, short_conv_inputs
 from zoo.variant import AttentionCall, Param, Variant
 
 
@@ -48,6 +53,8 @@ class LinearAttention(Variant):
             None, int, "causal only: tokens per chunk of the prefix sums (None = chosen from head_dim)",
             min=1, optional=True,
         ),
+        "short_conv": Param(0, int, "taps of a learned causal depthwise convolution on q, k, v (0 = off)", min=0,
+                            max=64),
     }
     error_bound = 1e-5  # relative error vs ``reference`` (its own kernel), not vs softmax
     test_params = {"chunk_size": 16}  # several chunks at the contract suite's n = 64-200
@@ -57,7 +64,11 @@ class LinearAttention(Variant):
         the prefill in one O(n) pass and advanced in O(d²) per token."""
         return RecurrentLayer()
 
+    def make_module(self, layer_idx: int, config, head_dim: int, num_heads: int) -> ShortConv | None:
+        return ShortConv(num_heads, head_dim, self.short_conv) if self.short_conv else None
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        q, k, v = short_conv_inputs(self, q, k, v, call)
         if isinstance(call.cache, RecurrentLayer):  # k/v: the new tokens; the earlier ones are in the state
             return linear_attention(elu_features(q), elu_features(k), v, True, call.padding_mask,
                                     self.chunk_for(q.shape[-1]), state=call.cache.state)
@@ -70,6 +81,7 @@ class LinearAttention(Variant):
 
     def reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         """The same attention in O(n²): the dense φ(q)φ(k)ᵀ under causality and padding (tests only)."""
+        q, k, v = short_conv_inputs(self, q, k, v, call)
         batch, heads, q_len, _ = q.shape
         allowed = allowed_mask(call, None, batch, heads, q_len, k.shape[-2], q.device)
         q, k, v64 = (x.to(torch.float64) for x in (q, k, v))

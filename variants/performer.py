@@ -13,6 +13,9 @@ Decoding (:class:`zoo.cache.RecurrentLayer`): the cache keeps no keys, only Σφ
 head (h·m·(d + 1) fp32 numbers per layer) and the running key shift; prefill builds them in one O(n) pass and
 each new token costs O(m·d). The features use the same W as the prefill (eval never redraws); the max-shift
 stabilizer becomes a running maximum that rescales the sums when it grows. It cannot be rolled back.
+
+``short_conv`` (default 0 = off): a learned causal depthwise convolution on q, k and v before the features
+(:class:`zoo.ops.short_conv.ShortConv`), its last inputs kept in the decoding state.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 from zoo.cache import RecurrentLayer
 from zoo.ops import default_chunk_size, in_head_groups, linear_attention, linear_attention_flops, stream_seed
+from zoo.ops.short_conv import ShortConv, short_conv_inputs
 from zoo.variant import AttentionCall, Param, Variant
 
 TRAINING_CALLS = "training_calls"  # call.state key: training forward calls per layer (the redraw counter)
@@ -47,6 +51,8 @@ class PerformerAttention(Variant):
             choices=("softmax", "relu"),
         ),
         "seed": Param(0, int, "seed of the random projections (combined with the layer index and draw)", min=0),
+        "short_conv": Param(0, int, "taps of a learned causal depthwise convolution on q, k, v (0 = off)", min=0,
+                            max=64),
     }
     # Relative Frobenius error vs softmax attention at the defaults (256 softmax features) on the contract suite's
     # inputs (q/k/v ~ N(0, 1), head_dim 16, scaling 1/4, n 64-200, causal and bidirectional, padded batches): mean
@@ -59,7 +65,11 @@ class PerformerAttention(Variant):
         super().__init__(**params)
         self._projections: dict[tuple, torch.Tensor] = {}
 
+    def make_module(self, layer_idx: int, config, head_dim: int, num_heads: int) -> ShortConv | None:
+        return ShortConv(num_heads, head_dim, self.short_conv) if self.short_conv else None
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        q, k, v = short_conv_inputs(self, q, k, v, call)
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
         draw = self.draw_index(call)
         w = self.projection(call.layer_idx, draw, q.shape[-1], q.device, compute)

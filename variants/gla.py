@@ -1,0 +1,132 @@
+"""``gla``: gated linear attention, a decaying unnormalized state (Yang et al. 2024), causal only.
+
+    S_t = Diag(α_t) S_{t−1} + k_t v_tᵀ,    o_t = d_k^−½ · S_tᵀ q_t
+
+``decay`` picks how α is made (one variant, three settings):
+
+* ``"channel"`` (default, GLA): one α per key channel, log α = logsigmoid(W₂ W₁ x + b) / 16 with a rank-16
+  projection of the layer's input hidden states (:class:`zoo.ops.gated_linear.LowRankDecay`,
+  ``attention_zoo.decay.{down,up}``; fla's init);
+* ``"scalar"``: one data-dependent α per head, Mamba2's α = exp(−exp(A_log)·softplus(W_a x + dt_bias)) -- the
+  Mamba2 / SSD core (:class:`zoo.ops.gated_linear.Mamba2Decay`, Mamba2's init);
+* ``"fixed"``: RetNet's per-head γ_h = 1 − 2^(−5−h), no learned gate.
+
+q and k enter as the model gives them (fla's GLA has no feature map; with ``short_conv`` > 0 they are SiLU of their
+convolution, as are the values); there is no denominator (as in GLA and RetNet): the output is scaled by d_k^−½,
+then RMS-normalized per head with a learned gain (``output_norm``, default True: fla's ``g_norm``,
+:class:`zoo.ops.gated_linear.OutputNorm`). The paper's output gate is left out. Gates read the attention
+module's input hidden states (outside a model: the keys, heads merged). Padded tokens write nothing (k, v and the
+convolution inputs zeroed, α = 1). Kernel: :func:`zoo.ops.gated_linear.gated_linear_attention` (chunkwise, every
+exponent ≤ 0); :meth:`reference` is the recurrence. The host's rotary embedding reaches q and k before the kernel.
+
+Decoding (:class:`zoo.cache.RecurrentLayer`): S (``gla``, (B, H, d_k, d_v) fp32) and the convolution inputs; O(d²)
+per token, bytes independent of the context; no rollback (``crop`` and assisted decoding are refused).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zoo.cache import RecurrentLayer
+from zoo.ops.delta_rule import carried, compute_dtype
+from zoo.ops.gated_linear import (
+    LowRankDecay,
+    Mamba2Decay,
+    OutputNorm,
+    gated_linear_attention,
+    gated_linear_flops,
+    gated_linear_recurrence,
+    normalized,
+    retnet_log_decay,
+)
+from zoo.ops.short_conv import ShortConv, gate_source
+from zoo.variant import AttentionCall, LayerWeights, Param, Variant
+
+STATE = "gla"
+
+
+class GLAWeights(LayerWeights):
+    """One layer's decay gate (none for ``decay="fixed"``) and optional short convolutions."""
+
+    needs_hidden_states = True
+
+    def __init__(self, hidden_size: int, heads: int, head_dim: int, decay: str, short_conv: int,
+                 output_norm: bool) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        if decay == "channel":
+            self.decay = LowRankDecay(hidden_size, heads, head_dim)
+        elif decay == "scalar":
+            self.decay = Mamba2Decay(hidden_size, heads)
+        else:
+            self.decay = None
+        self.conv = ShortConv(heads, head_dim, short_conv) if short_conv else None
+        self.norm = OutputNorm(head_dim) if output_norm else None
+
+
+class GLAAttention(Variant):
+    name = "gla"
+    exact = False
+    supports_bidirectional = False
+    supports_dropout = False
+    time_complexity = "O(n·C·d + n·d²)"
+    memory_complexity = "O(n·C·d)"
+    params = {
+        "decay": Param("channel", str, "'channel': per key channel (GLA); 'scalar': per head (Mamba2/SSD); "
+                       "'fixed': RetNet's γ_h = 1 − 2^(−5−h)", choices=("channel", "scalar", "fixed")),
+        "short_conv": Param(4, int, "taps of the causal depthwise convolution on q, k, v (0 = off)", min=0, max=64),
+        "chunk_size": Param(None, int, "tokens per chunk (None: 16 per-channel, 64 per-head)", min=1, optional=True),
+        "output_norm": Param(True, bool, "RMS-normalize each head's output, learned gain (fla's g_norm)"),
+    }
+    error_bound = 1e-4  # relative error vs ``reference`` (the recurrence)
+    test_params = {"chunk_size": 16}
+
+    def make_module(self, layer_idx: int, config, head_dim: int, num_heads: int) -> nn.Module | None:
+        if not self.learns():
+            return None
+        return GLAWeights(config.hidden_size, num_heads, head_dim, self.decay, self.short_conv, self.output_norm)
+
+    def learns(self) -> bool:
+        """False for RetNet's fixed decay without convolution or norm: nothing to learn."""
+        return self.decay != "fixed" or bool(self.short_conv) or self.output_norm
+
+    def cache_layer(self, layer_idx: int, config) -> RecurrentLayer:
+        return RecurrentLayer()
+
+    def prepare(self, q, k, v, call: AttentionCall, state: dict | None = None):
+        """(q, k, v, log α) in the compute dtype, padded tokens zeroed (log α = 0 there)."""
+        weights = self.layer_weights(call) if self.learns() else None
+        dtype = compute_dtype(q)
+        mask = call.padding_mask
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            if self.decay == "fixed":
+                log_decay = retnet_log_decay(q.shape[1]).to(device=q.device, dtype=dtype)
+                log_decay = log_decay[None, :, None].expand(q.shape[0], -1, k.shape[-2])
+            else:
+                source = gate_source(weights.hidden_states, k, weights.hidden_size, self.name).to(dtype)
+                log_decay = weights.decay(source)  # the gates cast their weights to the source's dtype
+            q, k, v = (x.to(dtype) for x in (q, k, v))
+            if weights is not None and weights.conv is not None:
+                q, k, v = weights.conv(q, k, v, mask, state)
+            if mask is not None:
+                real = mask[:, None, :]
+                k, v = (x.masked_fill(~real[..., None], 0.0) for x in (k, v))
+                log_decay = log_decay.masked_fill(~(real[..., None] if log_decay.dim() == 4 else real), 0.0)
+        return q, k, v, log_decay
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        state = call.cache.state if isinstance(call.cache, RecurrentLayer) else None
+        dtype = v.dtype
+        q, k, v, log_decay = self.prepare(q, k, v, call, state)
+        out = carried(gated_linear_attention, state, STATE, q, k, v, log_decay, q.shape[-1] ** -0.5, self.chunk_size)
+        return normalized(call.weights, out).to(dtype)
+
+    def reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        dtype = v.dtype
+        q, k, v, log_decay = self.prepare(q, k, v, call)
+        out = gated_linear_recurrence(q, k, v, log_decay, q.shape[-1] ** -0.5)[0]
+        return normalized(call.weights, out).to(dtype)
+
+    def flops(self, n: int, heads: int, head_dim: int, causal: bool = False) -> float:
+        return heads * gated_linear_flops(n, head_dim, head_dim, self.decay == "channel", self.chunk_size)
