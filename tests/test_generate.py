@@ -132,7 +132,8 @@ def test_fixed_sparse_pattern_keeps_the_summary_columns_and_the_block():
     ids, mask = _prompts(30)
     layer = _generate(model, ids, mask, return_dict_in_generate=True).past_key_values.layers[1]
     seen = 30 + NEW_TOKENS - 1  # the last token was generated, not fed back
-    summaries = {p for p in range(seen) if p % 4 >= 2}
+    starts = mask.long().argmax(-1).tolist()  # each row's blocks count from its first real token
+    summaries = {p for p in range(seen) for start in starts if (p - start) % 4 >= 2}
     assert set(layer.positions.tolist()) == summaries | set(range(seen - 3, seen))
 
 

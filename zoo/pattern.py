@@ -17,7 +17,8 @@ instead of restating the rule:
   windowed cache; ``global_queries``: the rows that see every key (the cache keeps every key until they passed).
 * ``block_size`` and ``key_blocks``: the key blocks each query block reads (a superset of the pattern), so a
   chunked kernel gathers only those (BigBird's layout; a band's neighbouring blocks).
-  ``whole_blocks``: the predicate is constant on (block, block) tiles (BigBird's layout).
+  ``whole_blocks``: the predicate is constant on (block, block) tiles (BigBird's layout), counted from each row's
+  ``block_origin`` (its first real token).
 
 Where each built-in pattern is defined: ``variants/longformer.py`` (``LongformerAttention.pattern``),
 ``variants/xformers.py`` (``XFormersAttention.pattern``), ``variants/bigbird.py`` (``BigBirdAttention.pattern``
@@ -81,22 +82,30 @@ def residue_columns(stride: int) -> MaskMod:
     return residue_mask
 
 
-def same_block(size: int) -> MaskMod:
-    """``⌊q / size⌋ == ⌊kv / size⌋``: the query's own block."""
+def same_block(size: int, row_start: torch.Tensor | None = None) -> MaskMod:
+    """``⌊q / size⌋ == ⌊kv / size⌋``: the query's own block, blocks counted from each row's first real token
+    (``row_start`` (B|1,) long; None: from 0)."""
 
     def same_block_mask(b, h, q_idx, kv_idx):
-        return q_idx // size == kv_idx // size
+        start = _start(row_start, b)
+        return (q_idx - start) // size == (kv_idx - start) // size
 
     return same_block_mask
 
 
-def summary_columns(stride: int, count: int) -> MaskMod:
-    """``kv mod stride ≥ stride − count``: the last ``count`` tokens of every block of ``stride`` (for everyone)."""
+def summary_columns(stride: int, count: int, row_start: torch.Tensor | None = None) -> MaskMod:
+    """``kv mod stride ≥ stride − count``: the last ``count`` tokens of every block of ``stride`` (for everyone),
+    blocks counted from each row's first real token (``row_start``; None: from 0)."""
 
     def summary_mask(b, h, q_idx, kv_idx):
-        return kv_idx % stride >= stride - count
+        return (kv_idx - _start(row_start, b)) % stride >= stride - count
 
     return summary_mask
+
+
+def _start(row_start: torch.Tensor | None, b):
+    """Where row ``b`` starts (0 when every row starts at 0)."""
+    return 0 if row_start is None else row_start[_row(row_start, b)]
 
 
 @dataclass(frozen=True)
@@ -199,6 +208,9 @@ class Pattern:
     whole_blocks: bool = False
     """The predicate is constant on each ``block_size`` x ``block_size`` tile (BigBird's block layout): one pair
     per tile decides the tile (:mod:`zoo.ops.flex` builds its block mask from that)."""
+    block_origin: torch.Tensor | None = None
+    """(B|1,) long: where each row's whole blocks start (its first real token, so the blocks do not move with the
+    amount of padding); None: every row's blocks start at 0."""
 
     def __call__(self, b, h, q_idx, kv_idx):
         return self.mask_mod(b, h, q_idx, kv_idx)

@@ -116,9 +116,9 @@ def build_block_mask(
     length = length or n
     if pattern.whole_blocks and pattern.block_size:
         table = block_table(pattern, batch, heads, n, device)
-        counts = _tile_counts_of_blocks(table, pattern.block_size, n)
+        counts = _tile_counts_of_blocks(table, pattern.block_size, n, pattern.block_origin)
         blocks = math.ceil(length / pattern.block_size)
-        kernel_pattern = _block_lookup(_pad_tiles(table, blocks), pattern.block_size)
+        kernel_pattern = _block_lookup(_pad_tiles(table, blocks), pattern.block_size, pattern.block_origin, blocks)
     else:
         counts = pattern_tile_counts(pattern, batch, heads, n, device)
         kernel_pattern = pattern.mask_mod
@@ -126,20 +126,40 @@ def build_block_mask(
 
 
 def block_table(pattern: Pattern, batch: int, heads: int, n: int, device) -> torch.Tensor:
-    """(B|1, H|1, nb, nb) bool: a whole-blocks pattern evaluated at the first pair of each (block, block) tile."""
+    """(B|1, H|1, nb, nb) bool: a whole-blocks pattern evaluated at the first pair of each (block, block) tile, the
+    blocks of each row counted from its ``block_origin``."""
     starts = torch.arange(0, n, pattern.block_size, device=device)
-    allowed = _evaluate(pattern, batch, heads, starts[:, None], starts[None, :], device)
-    return allowed.expand(*allowed.shape[:2], len(starts), len(starts))
+    if pattern.block_origin is None:
+        allowed = _evaluate(pattern, batch, heads, starts[:, None], starts[None, :], device)
+        return allowed.expand(*allowed.shape[:2], len(starts), len(starts))
+    origin = pattern.block_origin.to(device)
+    rows = (origin[:, None] + starts).clamp(max=n - 1)  # (B, nb) each row's block starts
+    b = torch.arange(len(origin), device=device)[:, None, None, None]
+    h = torch.arange(heads, device=device)[None, :, None, None]
+    allowed = torch.as_tensor(pattern(b, h, rows[:, None, :, None], rows[:, None, None, :]), device=device)
+    return allowed.expand(len(origin), allowed.shape[1], len(starts), len(starts))
 
 
-def _tile_counts_of_blocks(blocks: torch.Tensor, block: int, n: int) -> torch.Tensor:
-    """(..., nb, nb) per-block weights (allowed: 1) -> (..., nt, nt) int32 pairs per FLEX_BLOCK tile, any block size:
-    overlap (nt, nb) @ blocks @ overlap^T, overlap[t, i] = tokens (below n) in both tile t and block i."""
+def _tile_counts_of_blocks(blocks: torch.Tensor, block: int, n: int,
+                           origin: torch.Tensor | None = None) -> torch.Tensor:
+    """(..., nb, nb) per-block weights (allowed: 1) -> (..., nt, nt) int32 pairs per FLEX_BLOCK tile, any block
+    size: overlap (nt, nb) @ blocks @ overlap^T, overlap[t, i] = tokens (below n) in both tile t and block i (the
+    blocks of row b from ``origin[b]`` on; tokens before it belong to no block: their pairs count as not allowed)."""
     position = torch.arange(n, device=blocks.device)
-    overlap = torch.zeros(math.ceil(n / FLEX_BLOCK), blocks.shape[-1], device=blocks.device)
-    ones = torch.ones(n, device=blocks.device)
-    overlap.index_put_((position // FLEX_BLOCK, position // block), ones, accumulate=True)
-    return (overlap @ blocks.float() @ overlap.T).round().to(torch.int32)
+    if origin is None:
+        overlap = torch.zeros(math.ceil(n / FLEX_BLOCK), blocks.shape[-1], device=blocks.device)
+        ones = torch.ones(n, device=blocks.device)
+        overlap.index_put_((position // FLEX_BLOCK, position // block), ones, accumulate=True)
+        return (overlap @ blocks.float() @ overlap.T).round().to(torch.int32)
+    origin = origin.to(blocks.device)
+    rank = position[None, :] - origin[:, None]  # (B, n)
+    inside = (rank >= 0).float()
+    block_of = (rank.clamp(min=0) // block).clamp(max=blocks.shape[-1] - 1)
+    overlap = torch.zeros(len(origin), math.ceil(n / FLEX_BLOCK), blocks.shape[-1], device=blocks.device)
+    rows = torch.arange(len(origin), device=blocks.device)[:, None].expand_as(rank)
+    overlap.index_put_((rows, (position // FLEX_BLOCK).expand_as(rank), block_of), inside, accumulate=True)
+    overlap = overlap[:, None]  # (B, 1, nt, nb)
+    return (overlap @ blocks.float() @ overlap.transpose(-1, -2)).round().to(torch.int32)
 
 
 def candidate_tiles(pattern: Pattern, batch: int, n: int, device) -> torch.Tensor:
@@ -226,14 +246,24 @@ def _evaluate(pattern: Pattern, batch: int, heads: int, query: torch.Tensor, key
     return allowed.expand(*allowed.shape[:2], *torch.broadcast_shapes(query.shape, key.shape))
 
 
-def _block_lookup(covered: torch.Tensor, block: int) -> MaskMod:
+def _block_lookup(covered: torch.Tensor, block: int, origin: torch.Tensor | None = None,
+                  blocks: int | None = None) -> MaskMod:
     """The predicate of a pattern that covers whole blocks: one lookup in its (B|1, H|1, nb, nb) block table
-    (flattened: the CPU kernel template of torch 2.13 does not compile 2-D indexing of a captured tensor)."""
+    (flattened: the CPU kernel template of torch 2.13 does not compile 2-D indexing of a captured tensor), the blocks
+    of row b counted from ``origin[b]`` (a position before it is padding: any block answers)."""
     batches, heads, rows, cols = covered.shape
     table = covered.flatten()
+    last = torch.tensor((blocks or rows) - 1, device=covered.device)
+    origin = None if origin is None else origin.to(covered.device)
 
     def block_pattern(b, h, q_idx, kv_idx):
-        index = (q_idx // block) * cols + kv_idx // block
+        if origin is None:
+            index = (q_idx // block) * cols + kv_idx // block
+        else:
+            start = origin[b]
+            query = torch.minimum(torch.clamp(q_idx - start, min=0) // block, last)
+            key = torch.minimum(torch.clamp(kv_idx - start, min=0) // block, last)
+            index = query * cols + key
         if heads > 1:
             index = index + h * (rows * cols)
         if batches > 1:

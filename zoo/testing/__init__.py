@@ -47,11 +47,13 @@ from zoo.variant import AttentionCall, Variant, reference
 
 __all__ = [
     "ATOL", "BATCH", "HEADS", "HEAD_DIM", "MEMORY_CHECK_LENGTH", "N", "REAL_LENGTH", "LargestAllocation",
-    "allowed_mask", "assert_cache_bytes_bounded", "assert_decodes_like_the_full_forward", "assert_matches_reference",
-    "assert_memory_below_quadratic", "assert_reloads_identically", "assert_weights_train_and_reload", "causal_lm",
+    "allowed_mask", "assert_cache_bytes_bounded", "assert_decodes_like_the_full_forward",
+    "assert_invariant_to_padding_amount", "assert_matches_reference", "assert_memory_below_quadratic",
+    "assert_reloads_identically", "assert_weights_train_and_reload", "causal_lm",
     "declares_bounded_cache", "declares_subquadratic_memory", "declares_weights", "decode_prompts",
     "decoding_refusal", "greedy", "largest_allocation", "make_call", "make_inputs", "make_variant", "make_weights",
-    "model_inputs", "modes", "real_rows", "reference", "relative_error", "run_variant", "softmax_attention",
+    "model_inputs", "modes", "padding_amount_difference", "real_rows", "reference", "relative_error", "run_variant",
+    "softmax_attention",
     "tiny_model_config",
 ]  # fmt: skip
 
@@ -187,6 +189,47 @@ def assert_matches_reference(variant: Variant, out, ref, what: str = "output") -
         err = relative_error(out, ref)
         if err > variant.error_bound:
             raise AssertionError(f"{variant.name}: relative {what} error {err:.4f} > error_bound {variant.error_bound}")
+
+
+PAD_AMOUNT = 37  # pad tokens added to a row by the padding-amount check (changes the block count of every built-in)
+
+
+def padding_amount_difference(variant: Variant, causal: bool, n: int = N, pad: int = PAD_AMOUNT, seed: int = 0,
+                              head_dim: int = HEAD_DIM) -> float:
+    """Largest difference of one row's outputs at its ``n`` real tokens between running it alone and padded by ``pad``
+    tokens (noise) in a batch with a full row of ``n + pad`` tokens: on the left when ``causal`` (as decoders pad),
+    on the right otherwise."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, HEADS, n + pad, head_dim, generator=gen) for _ in range(3))
+    mask = torch.ones(2, n + pad, dtype=torch.bool)
+    real = slice(pad, None) if causal else slice(0, n)
+    mask[0] = False
+    mask[0, real] = True
+    with torch.no_grad():
+        alone = run_variant(variant, *(x[:1, :, real] for x in (q, k, v)), make_call(causal, variant=variant))
+        batched = run_variant(variant, q, k, v, make_call(causal, mask, variant=variant))
+    return float((batched[:1, :, real] - alone).abs().max())
+
+
+def assert_invariant_to_padding_amount(variant: Variant, n: int = N, pad: int = PAD_AMOUNT) -> None:
+    """A row's outputs at its real tokens are the same alone and padded by ``pad`` tokens in a longer batch (left
+    for causal, right for bidirectional), in every mode the variant supports: within ``ATOL`` for exact variants,
+    ``error_bound`` (relative) for approximate ones. A variant that declares ``padding_amount_invariant = False``
+    is not checked."""
+    if not variant.padding_amount_invariant:
+        return
+    for causal in modes(type(variant)):
+        difference = padding_amount_difference(variant, causal, n, pad)
+        limit = ATOL if variant.exact else variant.error_bound  # approximate: the same scale as its bound
+        if difference > limit:
+            raise AssertionError(
+                f"attention-zoo variant {variant.name!r} ({'causal' if causal else 'bidirectional'}): a row of {n} "
+                f"real tokens gives outputs {difference:.3g} apart alone and padded by {pad} tokens "
+                f"({'left' if causal else 'right'}) in a batch (limit {limit:g}). What its pattern depends on (block "
+                "boundaries, columns, a random layout) must count from each row's first real token (call.row_start) "
+                "and its own length, or the variant declares padding_amount_invariant = False with a "
+                "padding_amount_reason."
+            )
 
 
 # ------------------------------------------------------------------------------------------------------
