@@ -13,7 +13,9 @@ Compilation: dynamic shapes on CUDA (no recompilation for a new length); on CPU 
 (:func:`bucket_length`: 2^k or 1.5 * 2^k tokens, the padding hidden by the mask), so ``generate`` on prompts of
 varying length compiles a few times, not once per prompt (on CPU a pattern that captures a tensor of n entries,
 as ``longformer`` with a per-row ``global_attention_mask`` does, still compiles once per length: the kernel
-specializes on its shape; fixed global offsets capture only one start per row).
+specializes on its shape; fixed global offsets capture only one start per row). Compiled Flex never runs eagerly:
+a call that would recompile past ``torch._dynamo.config.recompile_limit`` (where dynamo would silently run
+``flex_attention`` eagerly, B·H·n² scores) raises :class:`FlexRecompileLimitError` instead.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._dynamo.exc import FailOnRecompileLimitHit
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers.masking_utils import and_masks, causal_mask_function
 
@@ -57,8 +60,25 @@ def attend(pattern: Pattern, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if length > n:  # the mask hides the padded keys; the padded query rows are cut off
         q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, length - n)) for x in (q, k, v))
     kernel = _compiled_flex(q.device.type == "cuda") if compiled else flex_attention
-    out = kernel(q, k, v, block_mask=block_mask, scale=call.scaling, enable_gqa=q.shape[1] != k.shape[1])
+    arguments = dict(block_mask=block_mask, scale=call.scaling, enable_gqa=q.shape[1] != k.shape[1])
+    if not compiled:
+        out = kernel(q, k, v, **arguments)
+    else:  # past dynamo's recompile limit flex_attention would run eager (B·H·n² scores): raise instead
+        try:
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                out = kernel(q, k, v, **arguments)
+        except FailOnRecompileLimitHit as exc:
+            raise FlexRecompileLimitError(
+                f"compiled flex_attention reached torch._dynamo.config.recompile_limit "
+                f"({torch._dynamo.config.recompile_limit}) compilations (one per distinct pattern and length "
+                "bucket): past it FlexAttention would run eagerly and build every n x n score"
+            ) from exc
     return out[:, :, :n] if length > n else out
+
+
+class FlexRecompileLimitError(RuntimeError):
+    """Compiled ``flex_attention`` would recompile past dynamo's limit and run eagerly (O(n²) memory): the call did
+    not run. The plug's policy (:mod:`zoo.plug.backend`) takes the variant's chunked kernel or raises."""
 
 
 def bucket_length(n: int, device: torch.device) -> int:
