@@ -8,7 +8,8 @@ Set with :func:`attention_backend` (a context manager):
   log line per reason.
 * ``"flex"``: every call of an exact pattern variant through Flex; a call it cannot run raises, naming why (tests
   and benchmarks). A call compiled Flex would run eagerly (past dynamo's recompile limit: O(n²) scores) raises
-  under ``"flex"`` and takes the chunked kernel, with one log line, under ``"auto"`` (:func:`after_flex_failure`). Variants without a pattern (dense, approximate) run their own kernel under every backend.
+  under ``"flex"`` and takes the chunked kernel, with one log line, under ``"auto"`` (:func:`after_flex_failure`).
+  Variants without a pattern (dense, approximate) run their own kernel under every backend.
 * ``"chunked"``: the variant's own kernel (``Variant.attend``) always.
 """
 
