@@ -191,7 +191,7 @@ def test_dropout_falls_back_to_the_chunked_kernel_with_one_log_line(monkeypatch,
     variant = make_variant("bigbird")
     q, k, v, _ = gqa_inputs(padding=None)
     call = make_call(False, dropout=0.1, training=True)
-    with caplog.at_level(logging.INFO, logger="zoo.ops.flex"):
+    with caplog.at_level(logging.INFO, logger=backends.__name__):
         for _ in range(2):
             assert not runs_on_flex(variant, q, k, v, call)
     assert [r.getMessage() for r in caplog.records].count(
