@@ -95,6 +95,8 @@ def zoo_attention_forward(
         cross_attention=cross,
     )
     out = run_variant(variant, query, key, value, call)
+    if isinstance(cache_layer, WindowedLayer):
+        cache_layer.after_call()  # the keys were read: drop what no later query reaches
     return out.transpose(1, 2).contiguous(), None
 
 
