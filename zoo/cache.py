@@ -325,8 +325,12 @@ def pattern_cache_layer(variant: Any, layer_idx: int) -> CacheLayerMixin:
     if pattern is None or pattern.reach is None:
         return DynamicLayer()
 
+    last: list = [None, None, None]  # (kwargs, row_start, pattern): sinks and sees_all_until of one update share it
+
     def pattern_at(kwargs: dict, row_start: torch.Tensor | None):
-        return variant.pattern(_decoding_call(layer_idx, kwargs, row_start), 1, 1)
+        if last[0] is not kwargs or last[1] is not row_start:
+            last[:] = kwargs, row_start, variant.pattern(_decoding_call(layer_idx, kwargs, row_start), 1, 1)
+        return last[2]
 
     def sinks(positions: torch.Tensor, kwargs: dict, row_start: torch.Tensor | None) -> torch.Tensor:
         tokens = pattern_at(kwargs, row_start).sinks
