@@ -369,6 +369,52 @@ def test_decode_measures_per_token_time_and_cache_bytes_through_generate():
     assert mistral["cache_bytes"] < dense["cache_bytes"] / 2  # the sliding window keeps about 16 keys
 
 
+def _reaches_itself(root) -> bool:
+    """Whether ``root`` is reachable from its own attributes, lists, tuples and dicts (a reference cycle that a
+    recursive walker of attributes -- the decode benchmark's old byte counter -- never leaves)."""
+    seen, stack = set(), [value for value in vars(root).values()]
+    while stack:
+        obj = stack.pop()
+        if obj is root:
+            return True
+        if id(obj) in seen or isinstance(obj, (torch.Tensor, torch.nn.Module, type)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif hasattr(obj, "__dict__") and not callable(obj):
+            stack.extend(vars(obj).values())
+    return False
+
+
+def test_decode_counts_a_windowed_cache_with_zoo_cache_nbytes_and_its_layers_hold_no_cycle():
+    """The README's decode rows (longformer + sinks, xformers with a window) measure: their cache layers keep no
+    reference to themselves and the bytes are zoo.cache_nbytes' (issue 29, item 5)."""
+    from zoo.bench.decode import DecodeContestant, DecodeSettings, decode_params, measure_decode
+
+    settings = DecodeSettings(lengths=[48], new_tokens=4, window=16, hidden=32, heads=2, kv_heads=1)
+    for name in ("longformer", "xformers"):
+        result = measure_decode(DecodeContestant(name, "zoo", name, decode_params(name, 16)), settings, 48)
+        assert result["status"] == "ok" and 0 < result["cache_bytes"] < 2 * 2 * 16 * 4 * 51, name
+    model = zoo.configure(transformers_llama(), "longformer", window=8, global_tokens=[0, 1])
+    model = __import__("transformers").AutoModelForCausalLM.from_config(model).eval()
+    ids = torch.randint(3, 64, (1, 30))
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    for layer in out.past_key_values.layers:
+        assert not _reaches_itself(layer)
+    assert zoo.cache_nbytes(out.past_key_values) > 0
+
+
+def transformers_llama():
+    import transformers
+
+    return transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                    num_key_value_heads=1, intermediate_size=64, pad_token_id=0)
+
+
 def test_decode_cli_refuses_a_variant_without_causal_support_and_writes_reports(tmp_path, capsys):
     from zoo.cli import main
 

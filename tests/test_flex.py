@@ -232,6 +232,50 @@ def test_compiled_flex_follows_global_tokens_under_left_padding_and_per_row_mark
         torch.testing.assert_close(real_rows(out, mask), real_rows(want, mask), atol=1e-5, rtol=1e-4)
 
 
+def _largest_cpu_allocation(fn) -> int:
+    """Bytes of the largest CPU allocation while ``fn`` runs (torch's profiler: it sees compiled kernels too, which
+    a TorchDispatchMode such as zoo.testing.LargestAllocation would stop from compiling)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return max([e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0] or [0])
+
+
+@pytest.mark.slow
+def test_past_the_recompile_limit_flex_falls_back_to_the_chunked_kernel_never_to_eager_scores(monkeypatch, caplog):
+    """More distinct patterns than dynamo's recompile limit (lowered to 2 here; 8 by default): compiled Flex would run
+    eagerly from the third on and build every (B·H, n, n) score. Under "auto" the chunked kernel runs them (one log
+    line naming why), under a forced "flex" the call raises (issue 29, item 3)."""
+    n, heads = 1024, 2
+    scores = heads * n * n * 4  # bytes of the n x n fp32 scores of every head
+    monkeypatch.setitem(backends.CPU_CROSSOVER, "longformer", 1)
+    q, k, v, _ = make_inputs(n=n, padding=None, batch=1, heads=heads)
+    backends._log_fallback_once.cache_clear()
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(recompile_limit=2), caplog.at_level(logging.INFO, logger=backends.__name__):
+            for window in (8, 16, 24, 32):
+                variant = make_variant("longformer", window=window, global_tokens=[])
+                call = make_call(True)
+                out = []
+
+                def forward(variant=variant, call=call, out=out):
+                    with torch.no_grad(), backends.attention_backend("auto"):
+                        out.append(run_variant(variant, q, k, v, call))
+
+                assert _largest_cpu_allocation(forward) < scores / 2, window  # compiling allocates up to ~3/8
+                torch.testing.assert_close(out[0], reference(variant, q, k, v, call), atol=1e-5, rtol=1e-4)
+            with pytest.raises(backends.FlexUnavailableError, match="recompile_limit"):
+                with torch.no_grad(), backends.attention_backend("flex"):
+                    run_variant(make_variant("longformer", window=40, global_tokens=[]), q, k, v, make_call(True))
+    finally:
+        torch._dynamo.reset()
+    ours = [r.getMessage() for r in caplog.records if r.name == backends.__name__]
+    fallbacks = [message for message in ours if "recompile" in message]
+    assert len(fallbacks) == 1, fallbacks
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # CUDA (skipped without a GPU): forward and backward through Flex against the chunked kernels
 

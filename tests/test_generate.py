@@ -132,8 +132,27 @@ def test_fixed_sparse_pattern_keeps_the_summary_columns_and_the_block():
     ids, mask = _prompts(30)
     layer = _generate(model, ids, mask, return_dict_in_generate=True).past_key_values.layers[1]
     seen = 30 + NEW_TOKENS - 1  # the last token was generated, not fed back
-    summaries = {p for p in range(seen) if p % 4 >= 2}
+    starts = mask.long().argmax(-1).tolist()  # each row's blocks count from its first real token
+    summaries = {p for p in range(seen) for start in starts if (p - start) % 4 >= 2}
     assert set(layer.positions.tolist()) == summaries | set(range(seen - 3, seen))
+
+
+def test_a_windowed_decoding_step_writes_the_new_token_without_copying_the_window():
+    """The layer's keys live in buffers with slack: a step writes its token and moves the few sinks, so the storage
+    stays the same from step to step (a torch.cat per step copied the whole window; issue 29, item 5)."""
+    model = _model("llama", "longformer-sinks")
+    ids, mask = _prompts(30)
+    cache = zoo.make_cache(model)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, cache=cache, use_cache=True)
+        storages = []
+        for _ in range(4):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], -1)
+            model(ids[:, -1:], attention_mask=mask, cache=cache, use_cache=True)
+            layer = cache.layers[0]
+            storages.append(layer.keys.untyped_storage().data_ptr())
+            assert int((~layer.is_sink).sum()) == layer.reach  # the sinks (of both rows) and the window
+    assert len(set(storages)) == 1
 
 
 def test_windowed_layer_hands_the_kernel_only_the_window_and_sinks():

@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from zoo.ops import softmax_attention
+from zoo.ops.patterned import _distinct_in_range
 from zoo.plug.dispatch import run_variant
 from zoo.registry import get_variant_class
-from zoo.testing import make_call
+from zoo.testing import assert_memory_below_quadratic, largest_allocation, make_call
+from zoo.variant import Variant
 
 
 @pytest.mark.parametrize("name", ["linear", "performer"])
@@ -27,3 +30,34 @@ def test_head_groups_give_the_same_output_and_gradients(name, causal, monkeypatc
         results.append([out, q.grad, k.grad, v.grad])
     for whole, grouped in zip(*results, strict=True):
         torch.testing.assert_close(grouped, whole, atol=1e-6, rtol=1e-5)
+
+
+def test_distinct_key_blocks_by_sorting_equal_the_pairwise_rule():
+    """Each block named once per query block (the earliest slot), out-of-range slots dropped (issue 29, item 2)."""
+    gen = torch.Generator().manual_seed(0)
+    key_blocks = torch.randint(-3, 12, (40, 17), generator=gen)
+    inside = (key_blocks >= 0) & (key_blocks < 10)
+    earlier = torch.ones(17, 17, dtype=torch.bool).tril(-1)
+    clamped = key_blocks.clamp(0, 9)
+    repeated = ((clamped[:, :, None] == clamped[:, None, :]) & inside[:, None, :] & earlier).any(-1)
+    assert torch.equal(_distinct_in_range(key_blocks, 10), inside & ~repeated)
+
+
+def test_a_pattern_only_plugin_whose_key_blocks_grow_with_n_stays_below_quadratic_memory():
+    """The plugin fixture ``strided_globals`` (band, a global column every 64 tokens from each row's first real token,
+    2 sinks; block hints, no kernel): no tensor grows faster than the keys each query reads (issue 29, item 2)."""
+    variant = get_variant_class("strided_globals")()
+    sizes = [largest_allocation(variant, n) for n in (2048, 4096)]
+    assert sizes[1] < 4096 * 4096 // 8
+    assert sizes[1] < 1.5 * sizes[0]  # the chunk buffer, not (query blocks x slots x slots)
+
+
+def test_the_memory_check_names_the_op_and_shape_that_allocated_the_tensor():
+    class MaskedDense(Variant):  # declares O(n) memory but masks dense scores
+        name, memory_complexity = "masked_dense_o_n", "O(n)"
+
+        def attend(self, q, k, v, call):
+            return softmax_attention(q, k, v, None, call.scaling)
+
+    with pytest.raises(AssertionError, match=r"aten\.bmm\S* -> \(1, 1024, 1024\) torch.float32"):
+        assert_memory_below_quadratic(MaskedDense(), 1024)

@@ -122,19 +122,26 @@ def test_predicted_tokens_are_the_previous_positions_argmax():
     assert recall.predicted_tokens(logits, None).tolist() == [[IGNORE_INDEX, 4, 2]]
 
 
-def _entry(name, accuracy, std, seeds, majority=0.01, answers=1000, guess=0.25):
+def _entry(name, accuracy, std, seeds, majority=0.01, answers=1000, guess=0.25, values=None):
+    values = values or ([accuracy + std * d for d in (-1, 0, 1)][:seeds] if std else [accuracy] * seeds)
     return {"name": name, "eval_accuracy": accuracy, "eval_accuracy_std": std, "seeds_ok": seeds,
-            "majority_accuracy": majority, "guess_accuracy": guess, "answers": answers}  # fmt: skip
+            "majority_accuracy": majority, "guess_accuracy": guess, "answers": answers,
+            "seed_accuracies": list(enumerate(values))}  # fmt: skip
 
 
-def test_report_notes_chance_single_seed_and_spread():
+def test_report_notes_chance_single_seed_and_welch_t_against_the_best():
     best = _entry("sdpa", 0.95, 0.02, 3)
-    assert recall.trust_notes(_entry("close", 0.93, 0.01, 3), best) == ["inside the seeds' spread of the best (sdpa)"]
-    assert recall.trust_notes(_entry("far", 0.50, 0.01, 3), best) == []
+    close = recall.trust_notes(_entry("close", 0.93, 0.01, 3), best)
+    assert close == ["not distinguishable from the best (sdpa): Welch's t = 1.55, df = 2.9, p = 0.221"]
+    assert recall.trust_notes(_entry("far", 0.50, 0.01, 3), best)[0].startswith("below the best (sdpa): Welch's t")
+    stalled = recall.trust_notes(_entry("stall", 0.9, 0.0, 3, values=[0.80, 0.95, 0.951]), best)
+    assert stalled[0] == "seed 0 stalls (0.800 against 0.950–0.951 of the others)"
+    assert stalled[-1].startswith("without the stalled seed not distinguishable from the best (sdpa)")
     assert recall.trust_notes(_entry("chance", 0.012, 0.001, 3), best)[0].startswith("at chance")
     assert "1 seed" in recall.trust_notes(_entry("one", 0.5, None, 1), best)[0]
     assert recall.trust_notes(_entry("bag", 0.257, 0.007, 3), best)[0].startswith("at the in-context guess (0.250")
-    assert recall.trust_notes(_entry("bound", 0.33, 0.01, 3), best) == []  # 0.33 is past 0.25 + 3 standard errors
+    bound = recall.trust_notes(_entry("bound", 0.33, 0.01, 3), best)  # 0.33 is past 0.25 + 3 standard errors
+    assert not any("guess" in note or "chance" in note for note in bound)
     assert recall.accuracy_cell(0.5, None, 1) == "0.500 (1 seed)"
     assert recall.accuracy_cell(0.5, 0.1, 3) == "0.500 ± 0.100"
 
@@ -208,7 +215,7 @@ def test_report_table_names_hybrid_layers_and_drops_empty_buckets():
         "accuracy_by_distance": buckets,
     }
     text = "\n".join(recall.report_tables([row]))
-    assert "| mix | longformer(window=16), linear | 64 | 0.500 ± 0.100 | 12,544 |" in text
+    assert "| mix | longformer(window=16), linear | 64 | 0.500 ± 0.100 | – | – | 12,544 |" in text
     assert "[2,4) (n=9)" in text and "[1,2)" not in text
 
 

@@ -50,3 +50,59 @@ def test_training_curves_average_the_seeds_at_the_steps_all_of_them_logged(tmp_p
     assert curves[0] == [(10, 2.0), (20, 1.0)]  # eval records carry no training loss
     assert compare.mean_training_loss(curves) == [(10, 3.0), (20, 2.0)]
     assert compare.training_loss(tmp_path / "missing") == [] and compare.mean_training_loss([[], []]) == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# claims from numbers (issue 29, item 4): receptive field, within / beyond it, Welch's t, stalled seeds
+
+
+def _seed_row(name, variant, params, seed, accuracy, buckets):
+    return {"task": "mqar", "kind": "recall", "name": name, "variant": variant, "variant_params": params,
+            "max_length": 64, "num_layers": 2, "seed": seed, "status": "ok", "error": None, "eval_accuracy": accuracy,
+            "eval_loss": 0.1, "accuracy_by_distance": [
+                {"bucket": f"[{s},{2 * s})", "start": s, "end": 2 * s, "answers": 100, "accuracy": a}
+                for s, a in zip((4, 8, 16, 32), buckets, strict=True)], "loss_by_position": None,
+            "training_loss": [], "decoding_state_bytes": 1, "majority_accuracy": 0.02, "guess_accuracy": 0.25,
+            "answers": 400, **dict.fromkeys(compare.METRIC_COLUMNS[1:2] + compare.METRIC_COLUMNS[3:]),
+            **dict.fromkeys(compare.SPEED_COLUMNS, 1.0)}  # fmt: skip
+
+
+def test_receptive_fields_add_up_over_stacked_layers():
+    from zoo.training.recall import receptive_field
+
+    assert receptive_field("longformer", {"window": 32}, 2) == 32  # 16 back per layer, two layers
+    assert receptive_field("xformers", {"window": 8}, 3) == 21
+    assert receptive_field("sdpa", {}, 2) is None and receptive_field("linear", {}, 2) is None
+    hybrid = {"layers": [{"variant": "longformer", "params": {"window": 16}}, {"variant": "sdpa"}]}
+    assert receptive_field("hybrid", hybrid, 2) is None
+    windows = {"layers": [{"variant": "longformer", "params": {"window": 16}}, {"variant": "xformers",
+                                                                               "params": {"window": 4}}]}
+    assert receptive_field("hybrid", windows, 2) == 8 + 3
+
+
+def test_welch_t_test_matches_scipy_and_stalled_seeds_are_named():
+    from zoo.training.recall import stalled_seeds, welch
+
+    scipy_stats = pytest.importorskip("scipy.stats")
+    a, b = [0.989, 0.999, 0.9945], [0.937, 0.9915, 0.993]
+    t, _, p = welch(a, b)
+    want = scipy_stats.ttest_ind(a, b, equal_var=False)
+    assert abs(t - want.statistic) < 1e-9 and abs(p - want.pvalue) < 1e-6
+    assert stalled_seeds(list(enumerate(b))) == [(0, 0.937)]
+    assert stalled_seeds(list(enumerate(a))) == []
+
+
+def test_the_report_splits_accuracy_at_the_receptive_field_and_tests_with_welch():
+    rows = [_seed_row("sdpa", "sdpa", {}, s, acc, [acc] * 4) for s, acc in enumerate((0.989, 0.999, 0.9945))]
+    rows += [_seed_row("window-32", "longformer", {"window": 32}, s, acc, [0.8, 0.85, 0.4, 0.03])
+             for s, acc in enumerate((0.52, 0.55, 0.58))]
+    rows += [_seed_row("hybrid", "hybrid", {"layers": [{"variant": "longformer", "params": {"window": 16}},
+                                                      {"variant": "sdpa"}]}, s, acc, [acc] * 4)
+             for s, acc in enumerate((0.937, 0.9915, 0.993))]
+    report = "\n".join(compare.KINDS["recall"].tables(compare.summarize(rows)))
+    window = next(line for line in report.splitlines() if line.startswith("| window-32"))
+    assert "32 (2 layers)" in window and "0.683 (n=300) / 0.030 (n=100)" in window
+    assert "below the best (sdpa): Welch's t = " in window
+    hybrid = next(line for line in report.splitlines() if line.startswith("| hybrid"))
+    assert "unbounded" in hybrid and "seed 0 stalls (0.937 against 0.992–0.993 of the others)" in hybrid
+    assert "inside the seeds' spread" not in report and "Welch's t (two-sided" in report

@@ -13,6 +13,7 @@ Measurements and history: docs/notes/variants.md#bigbird
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
@@ -21,7 +22,15 @@ import torch
 import torch.nn.functional as F
 
 from zoo.cache import GrowingLayer
-from zoo.ops import gathered_attention, pad_to_multiple, rows_attention, selected_attention, stream_seed
+from zoo.ops import (
+    by_row_span,
+    gathered_attention,
+    pad_to_multiple,
+    row_spans,
+    rows_attention,
+    selected_attention,
+    stream_seed,
+)
 from zoo.pattern import Pattern
 from zoo.variant import AttentionCall, Param, Variant, VariantParameterError
 
@@ -185,23 +194,41 @@ class BigBirdAttention(Variant):
         return layout
 
     def pattern(self, call: AttentionCall, q_len: int, kv_len: int) -> Pattern:
-        """The kernel's own cached layout: query block i sees key block j when the layout names j for i (or i is a
-        global block); constant on (block, block) tiles (``whole_blocks``)."""
+        """The kernel's own cached layouts: in each row, counted from its first real token, query block i sees key
+        block j when the layout of the row's own block count names j for i (or i is a global block); constant on
+        (block, block) tiles from each row's first real token (``whole_blocks``, ``block_origin``)."""
         block = self.block_size
-        num_blocks = -(-kv_len // block)
-        layouts = {}
+        spans = row_spans(call.padding_mask, kv_len) or [(0, kv_len)]
+        lengths = sorted({end - start for start, end in spans})
+        num_blocks = max(1, -(-kv_len // block))
+        tables = {}
 
-        def layout_for(heads: int, device) -> BlockLayout:
-            if heads not in layouts:
-                layouts[heads] = self.layout(call.layer_idx, num_blocks, heads, call.causal, device)
-            return layouts[heads]
+        def table_for(heads: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+            """(R, H, nb, nb) adjacency, one per distinct row length (padded to the call's blocks), and (B,) its row."""
+            if heads not in tables:
+                per_length = []
+                for length in lengths:
+                    own = self.layout(call.layer_idx, max(1, -(-length // block)), heads, call.causal, device)
+                    pad = num_blocks - own.adjacency.shape[-1]
+                    per_length.append(F.pad(own.adjacency, (0, pad, 0, pad)))
+                which = torch.tensor([lengths.index(end - start) for start, end in spans], device=device)
+                tables[heads] = (torch.stack(per_length), which)
+            return tables[heads]
+
+        starts = torch.tensor([start for start, _ in spans])
+        origin = starts if bool(starts.any()) else None
 
         def bigbird_blocks(batch_idx, head_idx, q_idx, kv_idx):
             heads = int(torch.as_tensor(head_idx).max()) + 1
-            layout = layout_for(heads, torch.as_tensor(q_idx).device)
-            return layout.adjacency[head_idx, q_idx // block, kv_idx // block]
+            device = torch.as_tensor(q_idx).device
+            table, which = table_for(heads, device)
+            row = 0 if batch_idx is None else torch.as_tensor(batch_idx).clamp(max=len(spans) - 1)
+            start = 0 if origin is None else origin.to(device)[row]
+            query_block = ((q_idx - start) // block).clamp(0, num_blocks - 1)
+            key_block = ((kv_idx - start) // block).clamp(0, num_blocks - 1)
+            return table[which[row] if len(lengths) > 1 else 0, head_idx, query_block, key_block]
 
-        return Pattern(bigbird_blocks, block_size=block, whole_blocks=True)
+        return Pattern(bigbird_blocks, block_size=block, whole_blocks=True, block_origin=origin)
 
     def flops(self, n: int, heads: int, head_dim: int, causal: bool = False) -> float:
         block, g, r, half = self.block_size, self.num_global_blocks, self.num_random_blocks, self.window_blocks // 2
@@ -217,10 +244,17 @@ class BigBirdAttention(Variant):
     # -- kernel --------------------------------------------------------------------------------------------
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        """Each row over its own real tokens (:func:`zoo.ops.by_row_span`): its blocks start at its first real token
+        and its layout is that of its own block count, whatever padding its batch adds."""
+        if call.decoding and q.shape[-2] < self.block_size:  # a few new queries over their key blocks
+            return self._attend_new_tokens_by_row(q, k, v, call)
+        return by_row_span(self._attend_span, q, k, v, call)
+
+    def _attend_span(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         block, kv_len = self.block_size, k.shape[-2]
         num_blocks = -(-kv_len // block)
         layout = self.layout(call.layer_idx, num_blocks, q.shape[1], call.causal, q.device)
-        if call.decoding and q.shape[-2] < block:  # a few new queries over their key blocks
+        if call.decoding and q.shape[-2] < block:
             return self._attend_new_tokens(q, k, v, layout, call)
         key_real = self._real_keys(call.padding_mask, kv_len, num_blocks * block, q.device)
         k, v = pad_to_multiple(k, block), pad_to_multiple(v, block)
@@ -228,29 +262,51 @@ class BigBirdAttention(Variant):
             return self._attend_causal(q, k, v, layout, key_real, call, kv_len)
         return self._attend_bidirectional(q, k, v, layout, key_real, call)
 
+    def _attend_new_tokens_by_row(self, q, k, v, call: AttentionCall) -> torch.Tensor:
+        """Decoding steps, rows grouped by where their real tokens start: their blocks count from there (causal
+        layouts do not depend on the length, so a row decodes what its full forward gives)."""
+        starts = call.row_start.tolist() if call.row_start is not None else [0] * q.shape[0]
+        groups: dict[int, list[int]] = {}
+        for row, start in enumerate(starts):
+            groups.setdefault(int(start), []).append(row)
+        outs, order = [], []
+        for start, rows in groups.items():
+            pick = slice(None) if len(rows) == q.shape[0] else torch.tensor(rows, device=q.device)
+            positions = call.key_positions(k.shape[-2], q.device)
+            mask = None if call.padding_mask is None else call.padding_mask[pick]
+            sub = dataclasses.replace(call, padding_mask=mask, row_start=None, positions=positions - start)
+            num_blocks = -(-(k.shape[-2] - start) // self.block_size)
+            layout = self.layout(call.layer_idx, num_blocks, q.shape[1], call.causal, q.device)
+            outs.append(self._attend_new_tokens(q[pick], k[pick], v[pick], layout, sub, start))
+            order.extend(rows)
+        if len(outs) == 1:
+            return outs[0]
+        return torch.cat(outs)[torch.tensor(order, device=q.device).argsort()]
+
     def cache_layer(self, layer_idx: int, config) -> GrowingLayer:
         """Every key (random blocks may point at any earlier block), appended in O(1) amortized."""
         return GrowingLayer()
 
-    def _attend_new_tokens(self, q, k, v, layout: BlockLayout, call: AttentionCall) -> torch.Tensor:
+    def _attend_new_tokens(self, q, k, v, layout: BlockLayout, call: AttentionCall, start: int = 0) -> torch.Tensor:
         """Decoding steps (fewer new queries than a block): each query over the key blocks its block's layout
         names, per head, gathered (:func:`zoo.ops.selected_attention`): O(block·(window + global + random)) per
         token instead of padding the query to a whole block. Keys: every key so far (a GrowingLayer)."""
         block, kv_len = self.block_size, k.shape[-2]
-        query_positions = call.query_positions(q.shape[-2], kv_len, q.device)
+        query_positions = call.query_positions(q.shape[-2], kv_len, q.device)  # counted from the rows' start
         within = torch.arange(block, device=q.device)
 
         def select(rows: slice) -> torch.Tensor:
             query_block = int(query_positions[rows.start]) // block
             keys = (layout.key_blocks[:, query_block, :, None] * block + within).flatten(1)  # (H, slots·block)
-            return keys.clamp(max=kv_len - 1)
+            return (keys + start).clamp(max=kv_len - 1)
 
         def valid(rows: slice, index: torch.Tensor) -> torch.Tensor:
             """The layout's valid slots, minus the clamped repeats of the last key."""
             query_block = int(query_positions[rows.start]) // block
             slot_valid = layout.valid[:, query_block].repeat_interleave(block, -1)  # (H, slots·block)
             key_blocks = layout.key_blocks[:, query_block].repeat_interleave(block, -1)
-            return slot_valid & ((key_blocks * block + within.repeat(slot_valid.shape[-1] // block)) < kv_len)
+            keys = key_blocks * block + within.repeat(slot_valid.shape[-1] // block)
+            return slot_valid & (keys + start < kv_len)
 
         return selected_attention(q, k, v, call, select, valid=valid, chunk=1)
 

@@ -50,6 +50,9 @@ class ReformerAttention(Variant):
     # reports): mean 1.45 and 1.25. The tests hold the kernel exactly to its own LSH pattern and show the error
     # shrinking with n_hashes on clustered inputs.
     error_bound = 1.75
+    padding_amount_invariant = False
+    padding_amount_reason = ("its number of hash buckets (2·⌈n/64⌉ by default) and its chunks of sorted tokens follow "
+                             "the padded length")
     test_params = {"bucket_size": 32}  # 4 sorted chunks at the contract suite's n = 100
 
     def __init__(self, **params) -> None:

@@ -23,6 +23,7 @@ from zoo.ops import (
     allowed_mask,
     band_part,
     blocked_attention,
+    by_row_span,
     pad_to_multiple,
     selected_attention,
     split_blocks,
@@ -62,8 +63,8 @@ class SparseTransformerAttention(Variant):
         stride, summary = self.stride, self.num_summary
         if self.layout == "strided":
             return Pattern(or_masks(band(stride - 1), residue_columns(stride)))
-        sinks = summary_columns(stride, summary)
-        return Pattern(or_masks(same_block(stride), sinks), reach=stride - 1,
+        sinks = summary_columns(stride, summary, call.row_start)  # blocks counted from each row's first real token
+        return Pattern(or_masks(same_block(stride, call.row_start), sinks), reach=stride - 1,
                        sinks=lambda b, idx: sinks(b, None, None, idx))
 
     def flops(self, n: int, heads: int, head_dim: int, causal: bool = False) -> float:
@@ -83,9 +84,14 @@ class SparseTransformerAttention(Variant):
     # the kernel
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
-        n = k.shape[-2]
         if call.decoding:  # the new tokens over the keys of a cache
             return self.attend_new_tokens(q, k, v, call)
+        if self.layout == "fixed":  # its blocks count from each row's first real token
+            return by_row_span(self._attend_span, q, k, v, call)
+        return self._attend_span(q, k, v, call)
+
+    def _attend_span(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        n = k.shape[-2]
         if n <= self.stride:  # the pattern covers every pair: plain attention is the exact answer
             return _full_attention(q, k, v, call)
         key_real = _key_real(call.padding_mask, n, self.stride, q.device)
@@ -115,10 +121,12 @@ class SparseTransformerAttention(Variant):
             first, last = int(query_positions[rows.start]), int(query_positions[rows.stop - 1])
             if layer is not None:  # the summary columns are its sinks, its window reaches the block start
                 return layer.select(first, last)
-            low = first - first % stride if fixed else max(0, first - stride + 1)
-            if fixed:  # the summary columns of the earlier blocks
-                earlier = torch.arange(low // stride, device=q.device)[:, None] * stride
-                columns = [(earlier + torch.arange(stride - summary, stride, device=q.device)).flatten()]
+            low = max(0, first - stride + 1)  # covers the query's block wherever its row starts
+            if fixed:  # the summary columns of the earlier blocks of any row (the pattern keeps each row's own)
+                earlier = torch.arange(low, device=q.device)
+                starts = call.row_start if call.row_start is not None else torch.zeros(1, dtype=torch.long)
+                rank = (earlier[None, :] - starts.to(q.device)[:, None]) % stride
+                columns = [earlier[(rank >= stride - summary).any(0)]]
             else:  # every l-th column of each residue among the queries, below the local band
                 columns = [torch.arange(r, max(r, low), stride, device=q.device)
                            for r in sorted(set((query_positions[rows] % stride).tolist()))]

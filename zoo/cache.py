@@ -77,22 +77,28 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
     """Keys a windowed pattern can still reach: every sink (global) key and the last ``reach`` keys.
 
     A future query at position p may see keys p - reach .. p and the sinks, so the layer drops the non-sink keys
-    older than ``seen - reach`` -- at the next update, once the attention call has told it where each row's real
-    tokens start (``row_start``, set by the plug: left padding moves the first real tokens).
+    older than ``seen - reach`` -- once the attention call is done (:meth:`after_call`, from the plug; else at the next
+    update), and once the call has told it where each row's real tokens start (``row_start``, set by the plug: left
+    padding moves the first real tokens).
     ``sinks(positions, attention_kwargs, row_start) -> (len,) bool`` marks keys kept forever (e.g. StreamingLLM's
     first tokens, Longformer's global tokens, union over the batch);
     ``sees_all_until(attention_kwargs) -> int``: every key is kept while fewer tokens were seen (a global query
     still to come attends to all earlier keys).
 
-    Layout (what keeps the per-token work free of searches and gathers): the held keys are the old sinks
-    (``sink_prefix`` of them, positions below ``first_recent``) followed by every position from ``first_recent``
-    on. ``key_positions`` / ``key_is_sink`` describe the keys handed to the current call (ascending), and
-    :meth:`select` names the ones a window of queries can reach, as a slice (a view) when they are contiguous,
-    which is always the case for one decoding step. ``crop`` restores what it can: with
-    ``activate_past_recording()`` (assisted decoding) nothing is dropped until the next ``crop``.
+    Layout (what keeps the per-token work free of searches, gathers and copies of the window): the held keys are the
+    old sinks (``sink_prefix`` of them, positions below ``first_recent``) followed by every position from
+    ``first_recent`` on, a view ``[lo, hi)`` of buffers with slack after it. A new token is written at ``hi``; a
+    dropped key moves ``lo`` on, the few sinks moving with it, so a decoding step copies O(sinks + new tokens), not
+    the window (the buffers are compacted when full: amortized O(1) per token for a slack of a quarter).
+    ``key_positions`` / ``key_is_sink`` describe the keys handed to the current call (ascending), and :meth:`select`
+    names the ones a window of queries can reach, as a slice (a view) when they are contiguous, which is always the
+    case for one decoding step. ``crop`` restores what it can: with ``activate_past_recording()`` (assisted decoding)
+    nothing is dropped until the next ``crop``. The attention kwargs kept for the sinks hold no reference to the
+    layer itself (no reference cycle for walkers of its attributes).
     """
 
     is_sliding = False  # mask sizes cover every token seen, not a window
+    MIN_SLACK = 64
 
     def __init__(self, reach: int, sinks: SinkPredicate | None = None,
                  sees_all_until: Callable[[dict], int] | None = None) -> None:
@@ -112,6 +118,10 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
         self.call_first = self.call_prefix = 0  # the same for the keys of the current call
         self.positions = self.is_sink = None
         self.key_positions = self.key_is_sink = None
+        self.buffers: list[torch.Tensor] | None = None  # keys, values, positions, is_sink; held: [lo, hi)
+        self.lo = self.hi = 0
+        self.views: tuple[torch.Tensor, torch.Tensor] | None = None  # the keys/values views last set
+        self.in_use = False  # the current call reads views of the buffers: nothing moves until after_call
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -125,28 +135,78 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
         attention_kwargs = hand_to_kernel(self, kwargs)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.in_use = False  # a new call: the last one is done
         self._settle()
-        self.attention_kwargs = attention_kwargs
+        self.attention_kwargs = {k: v for k, v in attention_kwargs.items() if k != LAYER_KWARG}
         count = key_states.shape[-2]
         new_positions = torch.arange(self.seen, self.seen + count, device=self.device)
         new_sinks = torch.zeros(count, dtype=torch.bool, device=self.device)  # classified at the next update
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        self.positions = torch.cat([self.positions, new_positions])
-        self.is_sink = torch.cat([self.is_sink, new_sinks])
+        self._append([key_states, value_states, new_positions, new_sinks])
         self.seen += count
         self.new_tokens = self.pending = count
         self.key_positions, self.key_is_sink = self.positions, self.is_sink
         self.call_first, self.call_prefix = self.first_recent, self.sink_prefix
-        keys, values = self.keys, self.values
+        self.in_use = True
         if self.rows_known:
             self._settle()
-        return keys, values
+        return self.keys, self.values
+
+    def after_call(self) -> None:
+        """The attention call that read this layer's keys is done (the plug calls it): drop the unreachable keys."""
+        self.in_use = False
+        self._settle()
 
     def set_row_start(self, row_start: torch.Tensor | None) -> None:
         """Where each row's real tokens start (the plug tells the layer at the first call; sinks count from it)."""
         self.row_start, self.rows_known = row_start, True
-        self._settle()  # the keys of this call were handed over already: drop what no later query reaches
+        self._settle()  # classify this call's keys; what no later query reaches goes after the call
+
+    # -- buffers ---------------------------------------------------------------------------------------------
+
+    def _held(self, like: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The buffers, rebuilt when keys/values were replaced from outside (beam reorder, batch selection, offload);
+        the first ones shaped ``like`` the first new tokens."""
+        if self.buffers is None or self.views is None or self.keys is not self.views[0] or \
+                self.values is not self.views[1]:
+            held = [self.keys, self.values, self.positions, self.is_sink]
+            if self.keys.dim() < 2 and like is not None:  # lazy_initialization's empty 1-D tensors
+                held = [_tokens(part, 0, 0) for part in like]
+            self._rebuild(held)
+        return self.buffers
+
+    def _rebuild(self, held: list[torch.Tensor], extra: int = 0) -> None:
+        """Fresh buffers holding ``held`` (keys, values, positions, is_sink) with room for ``extra`` more tokens."""
+        length = held[2].shape[0]
+        capacity = length + extra + max(self.MIN_SLACK, (length + extra) // 4)
+        buffers = []
+        for part in held:
+            buffer = part.new_empty(*part.shape[:-2], capacity, part.shape[-1]) if part.dim() > 1 else \
+                part.new_empty(capacity)
+            if length:
+                _tokens(buffer, 0, length).copy_(part)
+            buffers.append(buffer)
+        self.buffers, self.lo, self.hi = buffers, 0, length
+        self._set_views()
+
+    def _set_views(self) -> None:
+        self.keys, self.values, self.positions, self.is_sink = (_tokens(b, self.lo, self.hi) for b in self.buffers)
+        self.views = (self.keys, self.values)
+
+    def _append(self, new: list[torch.Tensor]) -> None:
+        count = new[2].shape[0]
+        buffers = self._held(like=new)
+        if new[0].requires_grad or new[1].requires_grad or self.keys.requires_grad:  # in place would break autograd
+            self.buffers = [torch.cat([held, part], dim=-2 if part.dim() > 1 else 0)
+                            for held, part in zip((self.keys, self.values, self.positions, self.is_sink), new,
+                                                  strict=True)]
+            self.lo, self.hi = 0, self.buffers[2].shape[0]
+        else:
+            if self.hi + count > buffers[2].shape[0]:
+                self._rebuild([self.keys, self.values, self.positions, self.is_sink], extra=count)
+            for buffer, part in zip(self.buffers, new, strict=True):
+                _tokens(buffer, self.hi, self.hi + count).copy_(part)
+            self.hi += count
+        self._set_views()
 
     def _settle(self) -> None:
         """Classify the keys of the last call (sinks, now that ``row_start`` is known) and drop the unreachable."""
@@ -154,37 +214,44 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
             kwargs, recent = self.attention_kwargs, slice(self.positions.shape[0] - self.pending, None)
             if self.sinks is not None:
                 marked = self.sinks(self.positions[recent], kwargs, self.row_start).to(self.device)
-                current = self.key_is_sink is self.is_sink
-                self.is_sink = torch.cat([self.is_sink[: recent.start], marked])
-                if current:  # the call in progress reads its keys' sinks
-                    self.key_is_sink = self.is_sink
+                self.is_sink[recent] = marked  # in place: the call in progress reads its keys' sinks (a view)
             if self.sees_all_until is not None:
                 self.complete_until = max(self.complete_until, int(self.sees_all_until(kwargs, self.row_start)))
             self.pending = 0
-        if not self.record_past:
+        if not self.record_past and not self.in_use:
             self._drop_unreachable()
 
     def _drop_unreachable(self) -> None:
-        """Drop the non-sink keys no future query can reach (older than ``seen - reach``)."""
+        """Drop the non-sink keys no future query can reach (older than ``seen - reach``): ``lo`` moves on and the
+        kept sinks are written just before it (a copy of the sinks only)."""
         oldest = self.seen - self.reach
         if self.seen < self.complete_until or self.first_recent >= oldest:
             return
+        self._held()
         prefix, cut = self.sink_prefix, self.sink_prefix + oldest - self.first_recent
         new_sinks = self.is_sink[prefix:cut].nonzero().squeeze(-1) + prefix
-        if prefix == 0 and new_sinks.numel() == 0:  # nothing to keep before the cut: a view
-            self._keep(slice(cut, None))
+        kept = prefix + new_sinks.numel()
+        if kept:
+            index = torch.cat([torch.arange(prefix, device=new_sinks.device), new_sinks])
+            sinks = [part.index_select(-2 if part.dim() > 1 else 0, index)
+                     for part in (self.keys, self.values, self.positions, self.is_sink)]
+            if self.keys.requires_grad:  # autograd: fresh tensors, no write into what a graph saw
+                rest = [_tokens(part, cut, part.shape[-2] if part.dim() > 1 else part.shape[0])
+                        for part in (self.keys, self.values, self.positions, self.is_sink)]
+                self._rebuild([torch.cat([a, b], dim=-2 if a.dim() > 1 else 0) for a, b in zip(sinks, rest,
+                                                                                              strict=True)])
+            else:
+                start = self.lo + cut - kept
+                for buffer, part in zip(self.buffers, sinks, strict=True):
+                    _tokens(buffer, start, start + kept).copy_(part)
+                self.lo = start
+                self._set_views()
         else:
-            device = self.positions.device
-            self._keep(torch.cat([torch.arange(prefix, device=device), new_sinks,
-                                  torch.arange(cut, self.positions.shape[0], device=device)]))
-        self.first_recent, self.sink_prefix = oldest, prefix + new_sinks.numel()
-
-    def _keep(self, index: slice | torch.Tensor) -> None:
-        if isinstance(index, slice):
-            self.keys, self.values = self.keys[..., index, :], self.values[..., index, :]
-        else:
-            self.keys, self.values = self.keys.index_select(-2, index), self.values.index_select(-2, index)
-        self.positions, self.is_sink = self.positions[index], self.is_sink[index]
+            self.lo += cut
+            self._set_views()
+        self.first_recent, self.sink_prefix = oldest, kept
+        if self.buffers[2].shape[0] > 2 * (self.hi - self.lo) + 2 * self.MIN_SLACK:  # after a long prefill
+            self._rebuild([self.keys, self.values, self.positions, self.is_sink])
 
     def select(self, first_query: int, last_query: int) -> slice | torch.Tensor:
         """The keys of the current call that queries at positions ``first_query .. last_query`` can reach: the
@@ -203,6 +270,7 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}.")
         count = -tokens_to_remove
+        self.in_use = False
         if self.is_initialized and count:
             target = self.seen - count
             low = 0 if target < self.complete_until else max(0, target - self.reach)
@@ -212,7 +280,9 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
                     f"query needs (it keeps the last {self.reach} tokens and the sinks). Call "
                     "cache.activate_past_recording() before the forward you may roll back (assisted decoding does)."
                 )
-            self._keep(slice(0, self.sink_prefix + target - self.first_recent))
+            self._held()
+            self.hi = self.lo + self.sink_prefix + target - self.first_recent
+            self._set_views()
             self.seen = target
             self.pending = max(0, self.pending - count)
         if self.is_initialized:
@@ -223,7 +293,14 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
         self._clear()
 
     def nbytes(self) -> int:
+        """Bytes of the keys it holds (its buffers' slack, at most a quarter more, not counted)."""
         return tensor_bytes([self.keys, self.values, self.positions, self.is_sink])
+
+
+def _tokens(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Tokens ``start .. stop - 1`` of a buffer: the last-but-one dimension of keys/values, the only one of
+    positions/sink marks (a view)."""
+    return x[..., start:stop, :] if x.dim() > 1 else x[start:stop]
 
 
 def pattern_cache_layer(variant: Any, layer_idx: int) -> CacheLayerMixin:
@@ -234,8 +311,12 @@ def pattern_cache_layer(variant: Any, layer_idx: int) -> CacheLayerMixin:
     if pattern is None or pattern.reach is None:
         return DynamicLayer()
 
+    last: list = [None, None, None]  # (kwargs, row_start, pattern): sinks and sees_all_until of one update share it
+
     def pattern_at(kwargs: dict, row_start: torch.Tensor | None):
-        return variant.pattern(_decoding_call(layer_idx, kwargs, row_start), 1, 1)
+        if last[0] is not kwargs or last[1] is not row_start:
+            last[:] = kwargs, row_start, variant.pattern(_decoding_call(layer_idx, kwargs, row_start), 1, 1)
+        return last[2]
 
     def sinks(positions: torch.Tensor, kwargs: dict, row_start: torch.Tensor | None) -> torch.Tensor:
         tokens = pattern_at(kwargs, row_start).sinks

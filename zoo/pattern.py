@@ -6,7 +6,8 @@ with :func:`or_masks` / :func:`and_masks`. It says nothing about causality or pa
 (:func:`with_causality_and_padding`). Beside it, structural hints that kernels, the decoding cache and FLOPs read:
 ``reach``, ``sinks``, ``global_queries`` (what a windowed cache keeps), ``block_size`` with ``key_blocks`` (the key
 blocks each query block reads, for the shared chunked kernel :mod:`zoo.ops.patterned`; :func:`band_key_blocks` for a
-band; no built-in variant sets it) and ``whole_blocks`` (constant on block tiles: BigBird sets it with ``block_size``).
+band; no built-in variant sets it) and ``whole_blocks`` (constant on block tiles counted from each row's
+``block_origin``, its first real token: BigBird sets it with ``block_size``).
 
 Hints in detail and where each built-in pattern is defined: docs/notes/internals.md#pattern
 """
@@ -68,22 +69,30 @@ def residue_columns(stride: int) -> MaskMod:
     return residue_mask
 
 
-def same_block(size: int) -> MaskMod:
-    """``⌊q / size⌋ == ⌊kv / size⌋``: the query's own block."""
+def same_block(size: int, row_start: torch.Tensor | None = None) -> MaskMod:
+    """``⌊q / size⌋ == ⌊kv / size⌋``: the query's own block, blocks counted from each row's first real token
+    (``row_start`` (B|1,) long; None: from 0)."""
 
     def same_block_mask(b, h, q_idx, kv_idx):
-        return q_idx // size == kv_idx // size
+        start = _start(row_start, b)
+        return (q_idx - start) // size == (kv_idx - start) // size
 
     return same_block_mask
 
 
-def summary_columns(stride: int, count: int) -> MaskMod:
-    """``kv mod stride ≥ stride − count``: the last ``count`` tokens of every block of ``stride`` (for everyone)."""
+def summary_columns(stride: int, count: int, row_start: torch.Tensor | None = None) -> MaskMod:
+    """``kv mod stride ≥ stride − count``: the last ``count`` tokens of every block of ``stride`` (for everyone),
+    blocks counted from each row's first real token (``row_start``; None: from 0)."""
 
     def summary_mask(b, h, q_idx, kv_idx):
-        return kv_idx % stride >= stride - count
+        return (kv_idx - _start(row_start, b)) % stride >= stride - count
 
     return summary_mask
+
+
+def _start(row_start: torch.Tensor | None, b):
+    """Where row ``b`` starts (0 when every row starts at 0)."""
+    return 0 if row_start is None else row_start[_row(row_start, b)]
 
 
 @dataclass(frozen=True)
@@ -186,6 +195,9 @@ class Pattern:
     whole_blocks: bool = False
     """The predicate is constant on each ``block_size`` x ``block_size`` tile (BigBird's block layout): one pair
     per tile decides the tile (:mod:`zoo.ops.flex` builds its block mask from that)."""
+    block_origin: torch.Tensor | None = None
+    """(B|1,) long: where each row's whole blocks start (its first real token, so the blocks do not move with the
+    amount of padding); None: every row's blocks start at 0."""
 
     def __call__(self, b, h, q_idx, kv_idx):
         return self.mask_mod(b, h, q_idx, kv_idx)

@@ -168,6 +168,10 @@ class Variant:
       The reference is softmax attention restricted to ``pattern``, unless the variant defines an optional
       ``reference(q, k, v, call)`` method: the O(n²) readable definition of an attention that is not
       softmax (e.g. ``linear``), used by the tests only.
+    * ``padding_amount_invariant`` -- True (the default) when a row's outputs at its real tokens do not depend on
+      how much padding its batch adds (what the pattern depends on counts from each row's first real token and
+      its own length); a variant for which that cannot hold sets False and says why in
+      ``padding_amount_reason`` (the contract suite then skips the check, README lists it).
     """
 
     name: ClassVar[str] = ""
@@ -184,6 +188,8 @@ class Variant:
     # 8 at n=64 instead of 512). Plugin authors set these for their own variant.
     test_params: ClassVar[dict[str, Any]] = {}
     renamed_params: ClassVar[dict[str, str]] = {}
+    padding_amount_invariant: ClassVar[bool] = True
+    padding_amount_reason: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -4,7 +4,7 @@ A tiny Llama (hidden 256, 4 heads, 2 layers, fp32, batch 1 by default) generates
 through ``model.generate`` after a random prompt of n tokens, once per (contestant, n), each in a fresh process
 with a memory cap (:class:`zoo.bench.measure.Runner`). The time per token is the median gap between the time
 stamps a streamer records as tokens arrive (the first token, which carries the prefill, is left out: prefill noise
-would swamp the difference); the cache bytes are those of the cache object ``generate`` returns.
+would swamp the difference); the cache bytes are those of the cache object ``generate`` returns (``zoo.cache_nbytes``).
 
 Contestants: every registered causal variant (``dense`` only when asked: it materializes n x n scores in the
 prefill), each with the cache ``generate`` gives it, and two peers in the same run: ``transformers_sdpa`` (plain
@@ -28,6 +28,7 @@ import torch
 from zoo.bench.measure import Runner, measure_idle
 from zoo.bench.plan import History, extrapolate
 from zoo.bench.report import errors_section, grid, machine_info, plot_against_n
+from zoo.cache import cache_nbytes
 from zoo.plug.install import configure
 from zoo.plug.spec import variant_for
 from zoo.registry import get_variant_class, list_variants
@@ -157,24 +158,6 @@ def cache_refusal(contestant: DecodeContestant, settings: DecodeSettings) -> str
     return None
 
 
-def tensor_bytes(obj: Any, seen: set[int] | None = None) -> int:
-    """Bytes of every tensor an object holds in its attributes, lists, tuples and dicts (each storage once)."""
-    seen = set() if seen is None else seen
-    if isinstance(obj, torch.Tensor):
-        key = obj.untyped_storage().data_ptr()
-        if key in seen or obj.numel() == 0:
-            return 0
-        seen.add(key)
-        return obj.untyped_storage().nbytes()
-    if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(x, seen) for x in obj)
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(x, seen) for x in obj.values())
-    if hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, type)):
-        return sum(tensor_bytes(x, seen) for x in vars(obj).values())
-    return 0
-
-
 def measure_decode(contestant: DecodeContestant, settings: DecodeSettings, n: int) -> dict[str, Any]:
     model = build_model(contestant, settings, n)
     generator = torch.Generator().manual_seed(n)
@@ -194,7 +177,7 @@ def measure_decode(contestant: DecodeContestant, settings: DecodeSettings, n: in
         "ms_per_token": 1e3 * statistics.median(gaps),
         "ms_per_token_min": 1e3 * min(gaps),
         "first_token_s": clock.stamps[1] - start,
-        "cache_bytes": tensor_bytes(out.cache),
+        "cache_bytes": cache_nbytes(out.cache),
         "cache_class": type(out.cache).__name__,
     }
 

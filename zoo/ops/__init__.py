@@ -3,8 +3,8 @@
 (``blocked``), chunked gathered-block attention (``gathered``), unions of key sets merged into one softmax (``union``),
 the CPU flash wrappers (``flash``) and their counterparts with attention dropout (``dropout``: per-chunk masks redrawn
 in the backward, never stored), linear attention by chunked prefix sums (``linear``), few queries over their selected
-keys for decoding (``selected``), any block-hinted pattern on those kernels (``patterned``), FlexAttention from a
-pattern (``flex``) and process-independent seeds (``seeds``)."""
+keys for decoding (``selected``), each row over its own real tokens (``spans``), any block-hinted pattern on those
+kernels (``patterned``), FlexAttention from a pattern (``flex``) and process-independent seeds (``seeds``)."""
 
 from zoo.ops.blocked import (
     blocked_attention,
@@ -24,6 +24,7 @@ from zoo.ops.gathered import gathered_attention
 from zoo.ops.linear import default_chunk_size, linear_attention, linear_attention_flops, linear_attention_reference
 from zoo.ops.seeds import stream_seed
 from zoo.ops.selected import selected_attention
+from zoo.ops.spans import by_row_span, row_spans
 from zoo.ops.union import GatheredPart, KeyPart, band_part, union_attention
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "allowed_mask",
     "band_part",
     "blocked_attention",
+    "by_row_span",
     "default_chunk_size",
     "expand_kv",
     "gathered_attention",
@@ -40,6 +42,7 @@ __all__ = [
     "linear_attention_flops",
     "linear_attention_reference",
     "pad_to_multiple",
+    "row_spans",
     "rows_attention",
     "safe_softmax",
     "sdpa_real_tokens_first",

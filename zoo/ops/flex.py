@@ -13,7 +13,9 @@ Compilation: dynamic shapes on CUDA (no recompilation for a new length); on CPU 
 (:func:`bucket_length`: 2^k or 1.5 * 2^k tokens, the padding hidden by the mask), so ``generate`` on prompts of
 varying length compiles a few times, not once per prompt (on CPU a pattern that captures a tensor of n entries,
 as ``longformer`` with a per-row ``global_attention_mask`` does, still compiles once per length: the kernel
-specializes on its shape; fixed global offsets capture only one start per row).
+specializes on its shape; fixed global offsets capture only one start per row). Compiled Flex never runs eagerly:
+a call that would recompile past ``torch._dynamo.config.recompile_limit`` (where dynamo would silently run
+``flex_attention`` eagerly, B·H·n² scores) raises :class:`FlexRecompileLimitError` instead.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._dynamo.exc import FailOnRecompileLimitHit
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers.masking_utils import and_masks, causal_mask_function
 
@@ -57,8 +60,25 @@ def attend(pattern: Pattern, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if length > n:  # the mask hides the padded keys; the padded query rows are cut off
         q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, length - n)) for x in (q, k, v))
     kernel = _compiled_flex(q.device.type == "cuda") if compiled else flex_attention
-    out = kernel(q, k, v, block_mask=block_mask, scale=call.scaling, enable_gqa=q.shape[1] != k.shape[1])
+    arguments = dict(block_mask=block_mask, scale=call.scaling, enable_gqa=q.shape[1] != k.shape[1])
+    if not compiled:
+        out = kernel(q, k, v, **arguments)
+    else:  # past dynamo's recompile limit flex_attention would run eager (B·H·n² scores): raise instead
+        try:
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                out = kernel(q, k, v, **arguments)
+        except FailOnRecompileLimitHit as exc:
+            raise FlexRecompileLimitError(
+                f"compiled flex_attention reached torch._dynamo.config.recompile_limit "
+                f"({torch._dynamo.config.recompile_limit}) compilations (one per distinct pattern and length "
+                "bucket): past it FlexAttention would run eagerly and build every n x n score"
+            ) from exc
     return out[:, :, :n] if length > n else out
+
+
+class FlexRecompileLimitError(RuntimeError):
+    """Compiled ``flex_attention`` would recompile past dynamo's limit and run eagerly (O(n²) memory): the call did
+    not run. The plug's policy (:mod:`zoo.plug.backend`) takes the variant's chunked kernel or raises."""
 
 
 def bucket_length(n: int, device: torch.device) -> int:
@@ -116,9 +136,9 @@ def build_block_mask(
     length = length or n
     if pattern.whole_blocks and pattern.block_size:
         table = block_table(pattern, batch, heads, n, device)
-        counts = _tile_counts_of_blocks(table, pattern.block_size, n)
+        counts = _tile_counts_of_blocks(table, pattern.block_size, n, pattern.block_origin)
         blocks = math.ceil(length / pattern.block_size)
-        kernel_pattern = _block_lookup(_pad_tiles(table, blocks), pattern.block_size)
+        kernel_pattern = _block_lookup(_pad_tiles(table, blocks), pattern.block_size, pattern.block_origin, blocks)
     else:
         counts = pattern_tile_counts(pattern, batch, heads, n, device)
         kernel_pattern = pattern.mask_mod
@@ -126,20 +146,40 @@ def build_block_mask(
 
 
 def block_table(pattern: Pattern, batch: int, heads: int, n: int, device) -> torch.Tensor:
-    """(B|1, H|1, nb, nb) bool: a whole-blocks pattern evaluated at the first pair of each (block, block) tile."""
+    """(B|1, H|1, nb, nb) bool: a whole-blocks pattern evaluated at the first pair of each (block, block) tile, the
+    blocks of each row counted from its ``block_origin``."""
     starts = torch.arange(0, n, pattern.block_size, device=device)
-    allowed = _evaluate(pattern, batch, heads, starts[:, None], starts[None, :], device)
-    return allowed.expand(*allowed.shape[:2], len(starts), len(starts))
+    if pattern.block_origin is None:
+        allowed = _evaluate(pattern, batch, heads, starts[:, None], starts[None, :], device)
+        return allowed.expand(*allowed.shape[:2], len(starts), len(starts))
+    origin = pattern.block_origin.to(device)
+    rows = (origin[:, None] + starts).clamp(max=n - 1)  # (B, nb) each row's block starts
+    b = torch.arange(len(origin), device=device)[:, None, None, None]
+    h = torch.arange(heads, device=device)[None, :, None, None]
+    allowed = torch.as_tensor(pattern(b, h, rows[:, None, :, None], rows[:, None, None, :]), device=device)
+    return allowed.expand(len(origin), allowed.shape[1], len(starts), len(starts))
 
 
-def _tile_counts_of_blocks(blocks: torch.Tensor, block: int, n: int) -> torch.Tensor:
-    """(..., nb, nb) per-block weights (allowed: 1) -> (..., nt, nt) int32 pairs per FLEX_BLOCK tile, any block size:
-    overlap (nt, nb) @ blocks @ overlap^T, overlap[t, i] = tokens (below n) in both tile t and block i."""
+def _tile_counts_of_blocks(blocks: torch.Tensor, block: int, n: int,
+                           origin: torch.Tensor | None = None) -> torch.Tensor:
+    """(..., nb, nb) per-block weights (allowed: 1) -> (..., nt, nt) int32 pairs per FLEX_BLOCK tile, any block
+    size: overlap (nt, nb) @ blocks @ overlap^T, overlap[t, i] = tokens (below n) in both tile t and block i (the
+    blocks of row b from ``origin[b]`` on; tokens before it belong to no block: their pairs count as not allowed)."""
     position = torch.arange(n, device=blocks.device)
-    overlap = torch.zeros(math.ceil(n / FLEX_BLOCK), blocks.shape[-1], device=blocks.device)
-    ones = torch.ones(n, device=blocks.device)
-    overlap.index_put_((position // FLEX_BLOCK, position // block), ones, accumulate=True)
-    return (overlap @ blocks.float() @ overlap.T).round().to(torch.int32)
+    if origin is None:
+        overlap = torch.zeros(math.ceil(n / FLEX_BLOCK), blocks.shape[-1], device=blocks.device)
+        ones = torch.ones(n, device=blocks.device)
+        overlap.index_put_((position // FLEX_BLOCK, position // block), ones, accumulate=True)
+        return (overlap @ blocks.float() @ overlap.T).round().to(torch.int32)
+    origin = origin.to(blocks.device)
+    rank = position[None, :] - origin[:, None]  # (B, n)
+    inside = (rank >= 0).float()
+    block_of = (rank.clamp(min=0) // block).clamp(max=blocks.shape[-1] - 1)
+    overlap = torch.zeros(len(origin), math.ceil(n / FLEX_BLOCK), blocks.shape[-1], device=blocks.device)
+    rows = torch.arange(len(origin), device=blocks.device)[:, None].expand_as(rank)
+    overlap.index_put_((rows, (position // FLEX_BLOCK).expand_as(rank), block_of), inside, accumulate=True)
+    overlap = overlap[:, None]  # (B, 1, nt, nb)
+    return (overlap @ blocks.float() @ overlap.transpose(-1, -2)).round().to(torch.int32)
 
 
 def candidate_tiles(pattern: Pattern, batch: int, n: int, device) -> torch.Tensor:
@@ -226,14 +266,24 @@ def _evaluate(pattern: Pattern, batch: int, heads: int, query: torch.Tensor, key
     return allowed.expand(*allowed.shape[:2], *torch.broadcast_shapes(query.shape, key.shape))
 
 
-def _block_lookup(covered: torch.Tensor, block: int) -> MaskMod:
+def _block_lookup(covered: torch.Tensor, block: int, origin: torch.Tensor | None = None,
+                  blocks: int | None = None) -> MaskMod:
     """The predicate of a pattern that covers whole blocks: one lookup in its (B|1, H|1, nb, nb) block table
-    (flattened: the CPU kernel template of torch 2.13 does not compile 2-D indexing of a captured tensor)."""
+    (flattened: the CPU kernel template of torch 2.13 does not compile 2-D indexing of a captured tensor), the blocks
+    of row b counted from ``origin[b]`` (a position before it is padding: any block answers)."""
     batches, heads, rows, cols = covered.shape
     table = covered.flatten()
+    last = torch.tensor((blocks or rows) - 1, device=covered.device)
+    origin = None if origin is None else origin.to(covered.device)
 
     def block_pattern(b, h, q_idx, kv_idx):
-        index = (q_idx // block) * cols + kv_idx // block
+        if origin is None:
+            index = (q_idx // block) * cols + kv_idx // block
+        else:
+            start = origin[b]
+            query = torch.minimum(torch.clamp(q_idx - start, min=0) // block, last)
+            key = torch.minimum(torch.clamp(kv_idx - start, min=0) // block, last)
+            index = query * cols + key
         if heads > 1:
             index = index + h * (rows * cols)
         if batches > 1:

@@ -32,16 +32,16 @@ def pattern_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: A
     real = call.padding_mask if call.padding_mask is not None else torch.ones(1, n, dtype=torch.bool, device=q.device)
     rule = with_causality_and_padding(pattern.mask_mod, call.causal, pad_to_multiple(real, block, dim=-1, value=False))
     within = torch.arange(block, device=q.device)
-    key_positions = (key_blocks[..., None] * block + within).flatten(1)  # (G, R·block)
-    key_slot_ok = slot_ok.repeat_interleave(block, -1)
 
     def allowed(start: int, stop: int) -> torch.Tensor:
+        """The chunk's mask; its key positions are made here, per chunk (all of them would be (G, R·block))."""
         entries = torch.arange(start, stop, device=q.device)
         group, row = entries % groups, entries // groups
         b = (row // heads if real.shape[0] > 1 else torch.zeros_like(row))[:, None, None]
         q_pos = (group[:, None] * block + within)[:, :, None]  # (e, Q, 1)
-        k_pos = key_positions[group][:, None, :]  # (e, 1, K)
-        return rule(b, (row % heads)[:, None, None], q_pos, k_pos) & key_slot_ok[group][:, None, :]
+        k_pos = (key_blocks[group][..., None] * block + within).flatten(1)[:, None, :]  # (e, 1, K)
+        slot_ok_here = slot_ok[group].repeat_interleave(block, -1)[:, None, :]
+        return rule(b, (row % heads)[:, None, None], q_pos, k_pos) & slot_ok_here
 
     padded = [pad_to_multiple(x, block) for x in (q, k, v)]
     index = key_blocks[None] + (torch.arange(batch * heads, device=q.device) * groups)[:, None, None]
@@ -60,12 +60,17 @@ def pattern_flops(pattern: Pattern, n: int, heads: int, head_dim: int) -> float:
 
 
 def _distinct_in_range(key_blocks: torch.Tensor, groups: int) -> torch.Tensor:
-    """(G, R) bool: the slot names a block inside the sequence that no earlier slot of its row names."""
+    """(G, R) bool: the slot names a block inside the sequence that no earlier slot of its row names.
+
+    Sorted per row (stable, so the earliest slot of a block comes first) and compared with its neighbour: O(G·R log R)
+    time and O(G·R) memory, whatever the number of slots (a slots x slots comparison would grow as R² per row)."""
     inside = (key_blocks >= 0) & (key_blocks < groups)
-    clamped = key_blocks.clamp(0, groups - 1)
-    slots = key_blocks.shape[-1]
-    earlier = torch.ones(slots, slots, dtype=torch.bool, device=key_blocks.device).tril(-1)
-    repeated = ((clamped[:, :, None] == clamped[:, None, :]) & inside[:, None, :] & earlier).any(-1)
+    named = torch.where(inside, key_blocks, -1)
+    order = named.argsort(dim=-1, stable=True)
+    ranked = named.gather(-1, order)
+    repeat = torch.zeros_like(inside)
+    repeat[:, 1:] = ranked[:, 1:] == ranked[:, :-1]
+    repeated = torch.zeros_like(inside).scatter_(-1, order, repeat)
     return inside & ~repeated
 
 

@@ -59,6 +59,8 @@ def selected_attention(
         if call.padding_mask is not None:
             real = call.padding_mask[:, index]  # (B, K') or (B, H, K')
             mask = mask & (real[:, :, None, :] if per_head else real[:, None, None, :])
+        if bool(mask.all()):  # the selection is exactly the pattern's keys (a window step): SDPA without a mask
+            mask = None
         outs.append(rows_attention(q[:, :, rows], keys, values, mask, call))
     return torch.cat(outs, dim=2)
 

@@ -7,7 +7,9 @@ Set with :func:`attention_backend` (a context manager):
   cannot run (attention dropout, decoding steps, learned per-layer weights...) takes the chunked kernel, with one
   log line per reason.
 * ``"flex"``: every call of an exact pattern variant through Flex; a call it cannot run raises, naming why (tests
-  and benchmarks). Variants without a pattern (dense, approximate) run their own kernel under every backend.
+  and benchmarks). A call compiled Flex would run eagerly (past dynamo's recompile limit: O(n²) scores) raises
+  under ``"flex"`` and takes the chunked kernel, with one log line, under ``"auto"`` (:func:`after_flex_failure`).
+  Variants without a pattern (dense, approximate) run their own kernel under every backend.
 * ``"chunked"``: the variant's own kernel (``Variant.attend``) always.
 """
 
@@ -110,6 +112,18 @@ def _auto_may_pick_flex(variant: Variant, q: torch.Tensor) -> bool:
     if q.device.type == "cuda":
         return variant.name in CUDA_MEASURED
     return q.shape[-2] >= CPU_CROSSOVER.get(variant.name, math.inf)
+
+
+def after_flex_failure(variant: Variant, error: Exception) -> None:
+    """Flex could not run a call it was picked for (``zoo.ops.flex.FlexRecompileLimitError``): under a forced
+    ``"flex"`` raise, naming why; otherwise log once and let the variant's chunked kernel run it."""
+    if _settings["backend"] == "flex":
+        raise FlexUnavailableError(
+            f"attention_backend('flex') was forced, but attention-zoo variant {variant.name!r} cannot run this call "
+            f"on FlexAttention: {error}. Raise torch._dynamo.config.recompile_limit above the number of distinct "
+            "patterns and length buckets, or use attention_backend('auto') to fall back to its kernel."
+        ) from error
+    _log_fallback_once(variant.name, str(error))
 
 
 @functools.cache

@@ -17,7 +17,7 @@ from zoo.cache import LAYER_KWARG, WindowedLayer
 from zoo.call import AttentionCall
 from zoo.ops import expand_kv, flex
 from zoo.pattern import row_starts
-from zoo.plug.backend import compiled, flex_pattern
+from zoo.plug.backend import after_flex_failure, compiled, flex_pattern
 from zoo.plug.spec import CONFIG_KEY, per_config, variant_for
 from zoo.plug.weights import WEIGHTS_NAME
 from zoo.variant import Variant
@@ -95,6 +95,8 @@ def zoo_attention_forward(
         cross_attention=cross,
     )
     out = run_variant(variant, query, key, value, call)
+    if isinstance(cache_layer, WindowedLayer):
+        cache_layer.after_call()  # the keys were read: drop what no later query reaches
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -122,9 +124,13 @@ def run_variant(
         call = dataclasses.replace(call, decoding=True)
     variant.check_call(call)
     pattern = flex_pattern(variant, q, k, v, call)  # None: the variant's own kernel (zoo.plug.backend)
+    out = None
     if pattern is not None:  # FlexAttention: GQA keys stay unexpanded
-        out = flex.attend(pattern, q, k, v, call, compiled=compiled())
-    else:
+        try:
+            out = flex.attend(pattern, q, k, v, call, compiled=compiled())
+        except flex.FlexRecompileLimitError as exc:  # never eager Flex: the chunked kernel (or, forced, an error)
+            after_flex_failure(variant, exc)
+    if out is None:
         out = variant.attend(q, *expand_kv(k, v, q.shape[1]), call)
     if call.padding_mask is not None and not call.cross_attention:
         # the queries are the last keys (the new tokens when a cache holds earlier ones)

@@ -31,11 +31,13 @@ from zoo.variant import AttentionCall, Variant, reference
 
 __all__ = [
     "ATOL", "BATCH", "HEADS", "HEAD_DIM", "MEMORY_CHECK_LENGTH", "N", "REAL_LENGTH", "LargestAllocation",
-    "allowed_mask", "assert_cache_bytes_bounded", "assert_decodes_like_the_full_forward", "assert_matches_reference",
-    "assert_memory_below_quadratic", "assert_reloads_identically", "assert_weights_train_and_reload", "causal_lm",
+    "allowed_mask", "assert_cache_bytes_bounded", "assert_decodes_like_the_full_forward",
+    "assert_invariant_to_padding_amount", "assert_matches_reference", "assert_memory_below_quadratic",
+    "assert_reloads_identically", "assert_weights_train_and_reload", "causal_lm",
     "declares_bounded_cache", "declares_subquadratic_memory", "declares_weights", "decode_prompts",
     "decoding_refusal", "greedy", "largest_allocation", "make_call", "make_inputs", "make_variant", "make_weights",
-    "model_inputs", "modes", "real_rows", "reference", "relative_error", "run_variant", "softmax_attention",
+    "model_inputs", "modes", "padding_amount_difference", "real_rows", "reference", "relative_error", "run_variant",
+    "softmax_attention",
     "tiny_model_config",
 ]  # fmt: skip
 
@@ -173,6 +175,47 @@ def assert_matches_reference(variant: Variant, out, ref, what: str = "output") -
             raise AssertionError(f"{variant.name}: relative {what} error {err:.4f} > error_bound {variant.error_bound}")
 
 
+PAD_AMOUNT = 37  # pad tokens added to a row by the padding-amount check (changes the block count of every built-in)
+
+
+def padding_amount_difference(variant: Variant, causal: bool, n: int = N, pad: int = PAD_AMOUNT, seed: int = 0,
+                              head_dim: int = HEAD_DIM) -> float:
+    """Largest difference of one row's outputs at its ``n`` real tokens between running it alone and padded by ``pad``
+    tokens (noise) in a batch with a full row of ``n + pad`` tokens: on the left when ``causal`` (as decoders pad),
+    on the right otherwise."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, HEADS, n + pad, head_dim, generator=gen) for _ in range(3))
+    mask = torch.ones(2, n + pad, dtype=torch.bool)
+    real = slice(pad, None) if causal else slice(0, n)
+    mask[0] = False
+    mask[0, real] = True
+    with torch.no_grad():
+        alone = run_variant(variant, *(x[:1, :, real] for x in (q, k, v)), make_call(causal, variant=variant))
+        batched = run_variant(variant, q, k, v, make_call(causal, mask, variant=variant))
+    return float((batched[:1, :, real] - alone).abs().max())
+
+
+def assert_invariant_to_padding_amount(variant: Variant, n: int = N, pad: int = PAD_AMOUNT) -> None:
+    """A row's outputs at its real tokens are the same alone and padded by ``pad`` tokens in a longer batch (left
+    for causal, right for bidirectional), in every mode the variant supports: within ``ATOL`` for exact variants,
+    ``error_bound`` (relative) for approximate ones. A variant that declares ``padding_amount_invariant = False``
+    is not checked."""
+    if not variant.padding_amount_invariant:
+        return
+    for causal in modes(type(variant)):
+        difference = padding_amount_difference(variant, causal, n, pad)
+        limit = ATOL if variant.exact else variant.error_bound  # approximate: the same scale as its bound
+        if difference > limit:
+            raise AssertionError(
+                f"attention-zoo variant {variant.name!r} ({'causal' if causal else 'bidirectional'}): a row of {n} "
+                f"real tokens gives outputs {difference:.3g} apart alone and padded by {pad} tokens "
+                f"({'left' if causal else 'right'}) in a batch (limit {limit:g}). What its pattern depends on (block "
+                "boundaries, columns, a random layout) must count from each row's first real token (call.row_start) "
+                "and its own length, or the variant declares padding_amount_invariant = False with a "
+                "padding_amount_reason."
+            )
+
+
 # ------------------------------------------------------------------------------------------------------
 # memory
 
@@ -188,14 +231,24 @@ class LargestAllocation(TorchDispatchMode):
         super().__init__()
         self.largest = 0
         self.longest_dim = 0
+        self.largest_op = ""  # the aten op that produced the largest tensor, and that tensor's shape and dtype
+        self.largest_shape: tuple[int, ...] = ()
+        self.largest_dtype: torch.dtype | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.untyped_storage().nbytes() // t.element_size())
+                size = t.untyped_storage().nbytes() // t.element_size()
+                if size > self.largest:
+                    self.largest, self.largest_op = size, str(func)
+                    self.largest_shape, self.largest_dtype = tuple(t.shape), t.dtype
                 self.longest_dim = max(self.longest_dim, *t.shape, 0)
         return out
+
+    def describe(self) -> str:
+        """What allocated the largest tensor: ``aten.op -> (shape) dtype``."""
+        return f"{self.largest_op} -> {tuple(self.largest_shape)} {self.largest_dtype}"
 
 
 def declares_subquadratic_memory(cls: type[Variant] | Variant) -> bool:
@@ -205,11 +258,12 @@ def declares_subquadratic_memory(cls: type[Variant] | Variant) -> bool:
 
 def largest_allocation(
     variant: Variant, n: int = MEMORY_CHECK_LENGTH, causal: bool = False, padded: bool = True, head_dim: int = 16,
-    batch: int = 1, heads: int = 1, **call_fields,
+    batch: int = 1, heads: int = 1, probe: LargestAllocation | None = None, **call_fields,
 ) -> int:
     """Elements of the largest tensor one forward and backward of ``variant`` produces at length ``n``
     (q/k/v (batch, heads, n, head_dim); ``padded``: the last n/16 tokens of the last row are padding;
-    ``call_fields``: other :class:`AttentionCall` fields, e.g. ``extra={"global_attention_mask": ...}``)."""
+    ``call_fields``: other :class:`AttentionCall` fields, e.g. ``extra={"global_attention_mask": ...}``). Pass a
+    ``probe`` to read what allocated it (:meth:`LargestAllocation.describe`)."""
     q, k, v, _ = make_inputs(n=n, padding=None, batch=batch, heads=heads, head_dim=head_dim)
     mask = None
     if padded:
@@ -217,7 +271,8 @@ def largest_allocation(
         mask[-1, n - n // 16 :] = False
     leaves = [x.requires_grad_() for x in (q, k, v)]
     call = make_call(causal, mask, head_dim=head_dim, variant=variant, heads=heads, **call_fields)
-    with LargestAllocation() as probe:
+    probe = probe if probe is not None else LargestAllocation()
+    with probe:
         out = run_variant(variant, *leaves, call)
         out.sum().backward()
     return probe.largest
@@ -229,13 +284,16 @@ def assert_memory_below_quadratic(variant: Variant, n: int = MEMORY_CHECK_LENGTH
     batch, heads = kwargs.get("batch", 1), kwargs.get("heads", 1)
     limit = n * n // QUADRATIC_FRACTION * batch * heads
     for causal in modes(type(variant)):
-        largest = largest_allocation(variant, n, causal=causal, **kwargs)
+        probe = LargestAllocation()
+        largest = largest_allocation(variant, n, causal=causal, probe=probe, **kwargs)
         if largest >= limit:
             raise AssertionError(
                 f"attention-zoo variant {variant.name!r} declares memory {variant.memory_complexity} but allocated a "
                 f"tensor of {largest} elements (>= n²/{QUADRATIC_FRACTION} per head = {limit} at n = {n}, batch "
-                f"{batch}, {heads} head(s), {'causal' if causal else 'bidirectional'}, forward and backward): an "
-                "n x n score, mask or cache. Compute it in blocks, or declare its memory as O(n²)."
+                f"{batch}, {heads} head(s), {'causal' if causal else 'bidirectional'}, forward and backward): "
+                f"{probe.describe()}. Find the op that builds it (an n x n score or mask, or a tensor that grows "
+                "faster than the keys each query reads) and compute it in blocks; if the variant really needs "
+                "O(n²) memory, declare it."
             )
 
 

@@ -36,6 +36,7 @@ from zoo.testing import (
     N,
     assert_cache_bytes_bounded,
     assert_decodes_like_the_full_forward,
+    assert_invariant_to_padding_amount,
     assert_matches_reference,
     assert_memory_below_quadratic,
     assert_reloads_identically,
@@ -173,6 +174,18 @@ def test_padded_tokens_never_change_real_outputs(name, padding):
         out_noisy = run_variant(variant, *noisy, make_call(causal, mask, variant=variant))
         torch.testing.assert_close(real_rows(out_noisy, mask), real_rows(out, mask), atol=ATOL, rtol=1e-4)
         assert (out[pad.expand_as(out)] == 0).all(), "padded query rows must be zero"
+
+
+def _padding_amount_invariant(name: str) -> bool:
+    return get_variant_class(name).padding_amount_invariant
+
+
+@pytest.mark.parametrize("name", variants_where(_padding_amount_invariant))
+def test_outputs_do_not_depend_on_the_amount_of_padding(name):
+    """A row's real outputs are the same alone and padded by 37 tokens in a longer batch (left when causal, right when
+    bidirectional): enough to change the block count of every built-in pattern at its test_params."""
+    require(_padding_amount_invariant, name)
+    assert_invariant_to_padding_amount(make_variant(name))
 
 
 @pytest.mark.parametrize("name", variants_where(_causal))

@@ -217,6 +217,7 @@ def row_for(run: Run, outcome: Outcome) -> dict[str, Any]:
         "variant": run.config.get("variant", "sdpa"),
         "variant_params": run.config.get("variant_params") or {},
         "max_length": run.config.get("max_length"),
+        "num_layers": (run.config.get("model_config") or {}).get("num_hidden_layers"),
         "seed": run.seed,
         "status": outcome.status,
         "error": outcome.error,

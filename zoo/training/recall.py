@@ -16,7 +16,9 @@ import numpy as np
 import torch
 
 from zoo.cache import cache_nbytes
+from zoo.call import AttentionCall
 from zoo.data.labels import IGNORE_INDEX
+from zoo.registry import get_variant_class
 from zoo.reporting import fixed, markdown_table, save_figure
 
 CHANCE_SIGMAS = 3  # an accuracy within this many binomial standard errors of the majority answer's share: at chance
@@ -121,6 +123,12 @@ def summary_fields(done: list[dict]) -> dict:
               "majority_accuracy": _mean([r.get("majority_accuracy") for r in done]),
               "guess_accuracy": _mean([r.get("guess_accuracy") for r in done]),
               "answers": _mean([r.get("answers") for r in done])}  # fmt: skip
+    fields["seed_accuracies"] = [(r.get("seed"), r["eval_accuracy"]) for r in done
+                                 if r.get("eval_accuracy") is not None]
+    layers = next((r["num_layers"] for r in done if r.get("num_layers")), None)
+    fields["num_layers"] = layers
+    fields["receptive_field"] = receptive_field(done[0]["variant"], done[0].get("variant_params") or {}, layers) \
+        if done and layers else None
     runs = [r["accuracy_by_distance"] for r in done if r.get("accuracy_by_distance")]
     fields["accuracy_by_distance"] = None
     if runs:
@@ -130,6 +138,104 @@ def summary_fields(done: list[dict]) -> dict:
             merged.append({**buckets[0], "accuracy": _mean(values), "std": _std(values), "seeds": len(values)})
         fields["accuracy_by_distance"] = merged
     return fields
+
+
+def receptive_field(variant: str, params: dict, layers: int) -> int | None:
+    """How far back (tokens) the last layer's output can see through ``layers`` stacked causal layers: the sum of
+    each layer's pattern reach (a window reaches ``reach`` tokens per layer, so two layers reach twice as far; a
+    hybrid adds its layers' own reaches); None (unbounded) when any layer sees every earlier token (full attention, a
+    recurrent state, a pattern without a finite reach). Sinks (global tokens) are not counted."""
+    instance = get_variant_class(variant)(**params)
+    total = 0
+    for layer in range(layers):
+        call = AttentionCall(causal=True, scaling=1.0, layer_idx=layer, decoding=True)
+        pattern = instance.pattern(call, 1, 1) if instance.exact else None
+        if pattern is None or pattern.reach is None:
+            return None
+        total += pattern.reach
+    return total
+
+
+def split_at_field(buckets: list[dict] | None, field: int | None) -> dict | None:
+    """Accuracy (weighted by answers) of the distance buckets within ``field`` (every distance <= field) and beyond
+    it (every distance > field but the boundary itself: a bucket starting at the field counts as beyond); a bucket
+    that straddles it otherwise is named apart. None without a finite field or buckets."""
+    if field is None or not buckets:
+        return None
+    parts = {"within": [], "beyond": [], "straddles": []}
+    for b in buckets:
+        if not b.get("answers") or b.get("accuracy") is None:
+            continue
+        side = "within" if b["end"] - 1 <= field else "beyond" if b["start"] >= field else "straddles"
+        parts[side].append(b)
+
+    def weighted(part: list[dict]) -> float | None:
+        answers = sum(b["answers"] for b in part)
+        return sum(b["accuracy"] * b["answers"] for b in part) / answers if answers else None
+
+    return {"within": weighted(parts["within"]), "within_answers": sum(b["answers"] for b in parts["within"]),
+            "beyond": weighted(parts["beyond"]), "beyond_answers": sum(b["answers"] for b in parts["beyond"]),
+            "straddles": [b["bucket"] for b in parts["straddles"]]}  # fmt: skip
+
+
+def welch(a: list[float], b: list[float]) -> tuple[float, float, float] | None:
+    """Welch's unequal-variance t-test of two samples: (t, degrees of freedom, two-sided p); None when either has
+    fewer than 2 values or both have no spread."""
+    if len(a) < 2 or len(b) < 2:
+        return None
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    if va + vb == 0:
+        return None
+    t = (statistics.fmean(a) - statistics.fmean(b)) / math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    return t, df, _student_two_sided_p(t, df)
+
+
+def _student_two_sided_p(t: float, df: float) -> float:
+    """P(|T| >= |t|) for Student's t with ``df`` degrees of freedom: the regularized incomplete beta
+    I_{df/(df+t²)}(df/2, 1/2) (continued fraction, Numerical Recipes' betacf)."""
+    x, a, b = df / (df + t * t), df / 2, 0.5
+    if x <= 0:
+        return 0.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x >= (a + 1) / (a + b + 2):  # the symmetric relation converges faster there
+        return 1.0 - front * _beta_fraction(1 - x, b, a) / b
+    return front * _beta_fraction(x, a, b) / a
+
+
+def _beta_fraction(x: float, a: float, b: float) -> float:
+    tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1 / (d if abs(d) > tiny else tiny)
+    value = d
+    for m in range(1, 300):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1 + numerator * d
+            d = 1 / (d if abs(d) > tiny else tiny)
+            c = 1 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            value *= c * d
+        if abs(c * d - 1) < 1e-12:
+            break
+    return value
+
+
+STALL_SIGMAS = 3  # a seed this many (the other seeds' std, at least STALL_FLOOR) below their mean stalls
+STALL_FLOOR = 0.01
+
+
+def stalled_seeds(seeds: list[tuple]) -> list[tuple]:
+    """The (seed, accuracy) pairs far below the entry's other seeds: more than STALL_SIGMAS times their standard
+    deviation (at least STALL_FLOOR) under their mean -- one seed that did not learn inflates the entry's spread."""
+    stalled = []
+    for index, (seed, accuracy) in enumerate(seeds):
+        others = [a for i, (_, a) in enumerate(seeds) if i != index]
+        if len(others) < 2:
+            continue
+        spread = max(statistics.stdev(others), STALL_FLOOR)
+        if statistics.fmean(others) - accuracy > STALL_SIGMAS * spread:
+            stalled.append((seed, accuracy))
+    return stalled
 
 
 def _mean(values: list) -> float | None:
@@ -158,21 +264,56 @@ def accuracy_cell(mean: float | None, std: float | None, seeds: int) -> str:
     return f"{mean:.3f} ± {std:.3f}" if seeds > 1 and std is not None else f"{mean:.3f} (1 seed)"
 
 
+SIGNIFICANCE = 0.05  # Welch's two-sided p at or above this: not distinguishable from the best
+
+
 def trust_notes(row: dict, best: dict | None) -> list[str]:
-    """What a reader must know before comparing this entry: at chance, one seed, inside the best's spread."""
+    """What a reader must know before comparing this entry: at chance, one seed, a stalled seed, and Welch's t-test
+    of its seeds' accuracies against the best entry's (p >= SIGNIFICANCE: not distinguishable from it)."""
     notes = []
     if at_chance(row):
         notes.append(f"at chance (majority answer {row['majority_accuracy']:.3f})")
     elif at_chance(row, "guess_accuracy"):
         notes.append(f"at the in-context guess ({row['guess_accuracy']:.3f}: which answers the sequence holds, not "
                      "which query each belongs to)")
+    seeds = row.get("seed_accuracies") or []
+    for seed, accuracy in stalled_seeds(seeds):
+        others = [a for s, a in seeds if s != seed]
+        notes.append(f"seed {seed} stalls ({accuracy:.3f} against {min(others):.3f}–{max(others):.3f} of the others)")
     if row["seeds_ok"] < 2:
         notes.append("1 seed: no spread, differences untested")
     elif best is not None and best is not row and best["seeds_ok"] > 1:
-        gap = best["eval_accuracy"] - row["eval_accuracy"]
-        if gap <= (best["eval_accuracy_std"] or 0) + (row["eval_accuracy_std"] or 0):
-            notes.append(f"inside the seeds' spread of the best ({best['name']})")
+        reference = [a for _, a in best.get("seed_accuracies") or []]
+        stalled = {seed for seed, _ in stalled_seeds(seeds)}
+        for label, values in (("", [a for _, a in seeds]),
+                              (f"without the stalled seed{'s' if len(stalled) > 1 else ''} ",
+                               [a for s, a in seeds if s not in stalled] if stalled else None)):
+            test = welch(reference, values) if values else None
+            if test is not None:
+                t, df, p = test
+                verdict = "not distinguishable from" if p >= SIGNIFICANCE else "below"
+                notes.append(f"{label}{verdict} the best ({best['name']}): Welch's t = {t:.2f}, df = {df:.1f}, "
+                             f"p = {p:.3g}")
     return notes
+
+
+def field_text(row: dict) -> str:
+    """The entry's receptive field: ``32 (2 layers)``, or ``unbounded``."""
+    field = row.get("receptive_field")
+    if field is None:
+        return "unbounded" if row.get("num_layers") else "–"
+    return f"{field} ({row['num_layers']} layers)"
+
+
+def split_text(row: dict) -> str:
+    """Accuracy within / beyond the receptive field: ``0.79 (n=1555) / 0.028 (n=445)``."""
+    split = split_at_field(row.get("accuracy_by_distance"), row.get("receptive_field"))
+    if split is None:
+        return "–"
+    cells = [f"{split[side]:.3f} (n={split[f'{side}_answers']})" if split[side] is not None else "–"
+             for side in ("within", "beyond")]
+    straddles = f"; {', '.join(split['straddles'])} straddles it" if split["straddles"] else ""
+    return " / ".join(cells) + straddles
 
 
 def report_tables(rows: list[dict]) -> list[str]:
@@ -180,17 +321,23 @@ def report_tables(rows: list[dict]) -> list[str]:
 
     done = [r for r in rows if r["eval_accuracy"] is not None]
     best = max(done, key=lambda r: r["eval_accuracy"], default=None)
-    header = ["variant", "params", "seq len", "accuracy", "decoding state / seq (bytes)", "train tok/s", "wall s",
-              "status", "notes"]  # fmt: skip
+    header = ["variant", "params", "seq len", "accuracy", "receptive field", "within / beyond it",
+              "decoding state / seq (bytes)", "train tok/s", "wall s", "status", "notes"]  # fmt: skip
     table = [
         [r["name"], params_text(r["variant_params"]), r["max_length"],
-         accuracy_cell(r["eval_accuracy"], r["eval_accuracy_std"], r["seeds_ok"]),
+         accuracy_cell(r["eval_accuracy"], r["eval_accuracy_std"], r["seeds_ok"]), field_text(r), split_text(r),
          fixed(r.get("decoding_state_bytes"), 0, grouping=True),
          fixed(r["train_tokens_per_second"], 0, grouping=True), fixed(r["wall_time_seconds"], 0), r["status"],
          "; ".join(trust_notes(r, best)) or "–"]
         for r in rows
     ]  # fmt: skip
-    lines = markdown_table(header, table, align="llrrrrrll")
+    lines = markdown_table(header, table, align="llrrrrrrrll")
+    lines += ["", "Receptive field: how far back the last layer sees through the stacked layers (the sum of each "
+              "layer's reach; unbounded with a full-attention or recurrent layer); within / beyond: accuracy over the "
+              "distance buckets inside it and past it (a bucket that starts at the field counts as past it). Notes "
+              "test each entry's seeds against the best's "
+              f"with Welch's t (two-sided; p >= {SIGNIFICANCE} reads \"not distinguishable\"), and name a seed "
+              f"more than {STALL_SIGMAS} times the others' std (at least {STALL_FLOOR}) below their mean as stalled."]
     buckets = [b for b in max((r.get("accuracy_by_distance") or [] for r in rows), key=len) if b["answers"]]
     if buckets:
         lines += ["", "Accuracy by query-key distance (tokens from the key to its query; answers per bucket in the "
