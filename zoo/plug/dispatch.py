@@ -94,8 +94,22 @@ def zoo_attention_forward(
         row_start=row_start,
         cross_attention=cross,
     )
-    out = run_variant(variant, query, key, value, call)
+    query, key, value = compute_dtype(query, key, value)
+    with torch.autocast(device_type=query.device.type, enabled=False):  # kernels choose their fp32 parts
+        out = run_variant(variant, query, key, value, call)
     return out.transpose(1, 2).contiguous(), None
+
+
+def compute_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """q/k/v in one dtype, once, before any kernel: under autocast its dtype for the device (the rotary embedding
+    returns fp32 q/k while v is bf16, and the CPU flash kernels autocast does not cover need one dtype); else the
+    values' dtype. Kernels then run with autocast off, keep softmax statistics and recurrent states in fp32
+    themselves, and return this dtype."""
+    device = query.device.type
+    target = value.dtype
+    if torch.is_autocast_enabled(device) and query.is_floating_point():
+        target = torch.get_autocast_dtype(device)
+    return tuple(x if x.dtype == target else x.to(target) for x in (query, key, value))
 
 
 def is_cross_attention(module: torch.nn.Module) -> bool:
