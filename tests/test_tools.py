@@ -52,3 +52,112 @@ def test_trainer_bf16_trains_a_llama(tmp_path, name):
     trainer.train()
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 3. variant state in the state dict (performer's redraw counter), gradient checkpointing
+
+PERFORMER = {"redraw_interval": 1, "nb_features": 16}  # a redraw every training call: any lost count shows
+
+
+def _trained_params(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _assert_same_state(got: dict, want: dict, atol: float = 1e-6) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=atol, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def test_trainer_resume_equals_an_uninterrupted_run(tmp_path):
+    full = transformers.Trainer(
+        model=_tiny_llama("performer", **PERFORMER), train_dataset=_Rows(),
+        args=_args(tmp_path / "full", save_strategy="steps", save_steps=2),
+    )
+    full.train()
+    resumed = transformers.Trainer(
+        model=_tiny_llama("performer", **PERFORMER), train_dataset=_Rows(),
+        args=_args(tmp_path / "full", save_strategy="no"),
+    )
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    _assert_same_state(_trained_params(resumed.model), _trained_params(full.model))
+
+
+def _accelerate_steps(accelerator, model, optimizer, batches) -> None:
+    model.train()
+    for batch in batches:
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_accelerate_save_state_and_load_state_equal_an_uninterrupted_run(tmp_path):
+    from accelerate import Accelerator
+
+    rows = _Rows()
+    batches = [{k: torch.stack([rows[i][k] for i in (2 * s, 2 * s + 1)]) for k in rows[0]} for s in range(4)]
+
+    def prepared():
+        accelerator = Accelerator(cpu=True)
+        model = _tiny_llama("performer", **PERFORMER)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return accelerator, *accelerator.prepare(model, optimizer)
+
+    accelerator, model, optimizer = prepared()
+    _accelerate_steps(accelerator, model, optimizer, batches)
+    want = _trained_params(model)
+
+    accelerator, model, optimizer = prepared()
+    _accelerate_steps(accelerator, model, optimizer, batches[:2])
+    accelerator.save_state(str(tmp_path / "state"))
+    accelerator, model, optimizer = prepared()
+    accelerator.load_state(str(tmp_path / "state"))
+    _accelerate_steps(accelerator, model, optimizer, batches[2:])
+    _assert_same_state(_trained_params(model), want)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_gradient_checkpointing_recomputes_with_the_same_features(reentrant):
+    """An odd interval (1): the recomputed forward must use the original's draw, and count once per step."""
+    ids, mask = model_inputs(n=48)
+    grads, counts = [], []
+    for checkpointing in (False, True):
+        model = _tiny_llama("performer", **PERFORMER).train()
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+        for _ in range(2):  # the second step draws anew: both runs must agree on which draw
+            model.zero_grad()
+            model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+        counts.append(sorted(int(v) for k, v in model.state_dict().items() if k.endswith("training_calls")))
+    assert counts[0] == counts[1] == [2, 2]
+    _assert_same_state(grads[1], grads[0])
+
+
+def test_peft_adapter_reload_keeps_the_redraw_counter(tmp_path):
+    """LoRA over a performer Llama: with ``modules_to_save=["attention_zoo"]`` (README) the adapter carries the
+    counters, and the reloaded adapter gives the trained model's logits."""
+    peft = pytest.importorskip("peft", reason="peft is in the dev extra")
+    base = _tiny_llama("performer", **PERFORMER)
+    base.save_pretrained(tmp_path / "base")
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["attention_zoo"])
+    model = peft.get_peft_model(base, lora)
+    ids, mask = model_inputs(n=48)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    for _ in range(3):
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+    model.save_pretrained(tmp_path / "adapter")
+    reloaded = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter"
+    ).eval()
+    with torch.no_grad():
+        got = reloaded(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)

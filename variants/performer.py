@@ -5,9 +5,14 @@ softmax(q·k·s) ∝ exp(q'·k') with q' = √s·q, k' = √s·k, and exp(q'·k'
 φ(x) = exp(Wx − ‖x‖²/2)/√m with Gaussian rows w. Here W is made of orthogonal blocks (QR of Gaussian d x d
 blocks) with rows of norm √d (lower variance than Gaussian row norms, see :meth:`draw_projection`).
 
-W is a deterministic function of (seed, layer, draw): the draw index advances every ``redraw_interval``
-training forward calls of a layer and its counter lives in ``call.state`` (saved in config.json), so a reloaded
-model rebuilds exactly the same features. Eval never redraws.
+W is a deterministic function of (seed, layer, draw): the draw index advances every ``redraw_interval`` training
+forward calls of a layer. The counter is a buffer of the layer's module (:class:`RedrawCounter`,
+``...attention_zoo.training_calls`` in the state dict), so it is saved and restored with the weights by every client
+that restores weights (``save_pretrained``, Trainer and accelerate resumes; peft with
+``modules_to_save=["attention_zoo"]``); a copy stays in ``call.state`` (config.json), read when the buffer never
+held a count (a checkpoint saved before the buffer existed). A forward recomputed during the backward (gradient
+checkpointing, ``call.recomputed``) neither advances it nor draws anew: it uses exactly the features of the forward
+it recomputes. Eval never redraws.
 
 Decoding (:class:`zoo.cache.RecurrentLayer`): the cache keeps no keys, only Σφ(k)ᵀ[v, 1] per batch row and
 head (h·m·(d + 1) fp32 numbers per layer) and the running key shift; prefill builds them in one O(n) pass and
@@ -22,13 +27,48 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from zoo.cache import RecurrentLayer
 from zoo.ops import default_chunk_size, in_head_groups, linear_attention, linear_attention_flops, stream_seed
-from zoo.variant import AttentionCall, Param, Variant
+from zoo.variant import AttentionCall, LayerWeights, Param, Variant
 
 TRAINING_CALLS = "training_calls"  # call.state key: training forward calls per layer (the redraw counter)
 RELU_EPSILON = 1e-3  # keeps every relu feature vector non-zero (as in the reference implementation)
+UNKNOWN = -1  # a counter that never held a count: the config's copy (call.state) holds it, if anything
+
+
+def _refresh_after_load(counter: RedrawCounter, _incompatible_keys) -> None:
+    counter.refresh()
+
+
+class RedrawCounter(LayerWeights):
+    """One layer's training forward calls so far, as a buffer saved with the weights (no parameters).
+
+    The kernel *calls* it (so a wrapper such as peft's ``ModulesToSaveWrapper`` routes the call to its active copy).
+    ``calls`` mirrors the buffer on the host: eager calls read the buffer (a load may have replaced it), a compiled
+    graph reads the mirror (reading a tensor there would break the graph); a ``load_state_dict`` refreshes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer(TRAINING_CALLS, torch.full((), UNKNOWN, dtype=torch.long))
+        self.calls = UNKNOWN
+        self.register_load_state_dict_post_hook(_refresh_after_load)
+
+    def refresh(self) -> int:
+        self.calls = int(getattr(self, TRAINING_CALLS))
+        return self.calls
+
+    def forward(self, advance: bool, earlier: int) -> int:
+        """The training calls done before this one (``earlier`` when the buffer never held a count: the config's
+        copy); ``advance``: count this call."""
+        done = self.calls if torch.compiler.is_compiling() else self.refresh()
+        done = earlier if done == UNKNOWN else done
+        if advance:
+            self.calls = done + 1
+            with torch.no_grad():
+                getattr(self, TRAINING_CALLS).fill_(done + 1)
+        return done
 
 
 class PerformerAttention(Variant):
@@ -58,6 +98,10 @@ class PerformerAttention(Variant):
     def __init__(self, **params) -> None:
         super().__init__(**params)
         self._projections: dict[tuple, torch.Tensor] = {}
+
+    def make_module(self, layer_idx: int, config, head_dim: int, num_heads: int) -> nn.Module | None:
+        """The redraw counter (a buffer, no learned weights); none when features are never redrawn."""
+        return RedrawCounter() if self.redraw_interval else None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -168,17 +212,22 @@ class PerformerAttention(Variant):
                 )
 
     def draw_index(self, call: AttentionCall) -> int:
-        """Which draw of W this call uses; training calls advance the layer's counter in ``call.state``.
+        """Which draw of W this call uses; training calls advance the layer's counter (the :class:`RedrawCounter`
+        in ``call.weights`` when the layer has one, and its copy in ``call.state``).
 
-        Training call number c (0-based) uses draw c // redraw_interval; eval uses the draw of the last
-        training call, so a model is evaluated (and reloaded) with the features it was trained with last.
+        Training call number c (0-based) uses draw c // redraw_interval; eval -- and a forward recomputed in the
+        backward (``call.recomputed``) -- uses the draw of the last training call, so a model is evaluated (and
+        reloaded, and its checkpointed layers recomputed) with the features it was trained with last.
         """
         if self.redraw_interval == 0:
             return 0
         counters = call.state.setdefault(TRAINING_CALLS, {})
         layer = str(call.layer_idx)  # JSON object keys are strings: same key before and after a reload
+        advance = call.training and not call.recomputed
         done = int(counters.get(layer, 0))
-        if call.training:
+        if call.weights is not None:  # the RedrawCounter (or a wrapper that calls it)
+            done = call.weights(advance, done)
+        if advance:
             counters[layer] = done + 1
             return done // self.redraw_interval
         return max(done - 1, 0) // self.redraw_interval

@@ -17,6 +17,7 @@ from zoo.cache import LAYER_KWARG, WindowedLayer
 from zoo.call import AttentionCall
 from zoo.ops import expand_kv, flex
 from zoo.pattern import row_starts
+from zoo.plug import _patches
 from zoo.plug.backend import compiled, flex_pattern
 from zoo.plug.spec import CONFIG_KEY, per_config, variant_for
 from zoo.plug.weights import WEIGHTS_NAME
@@ -93,6 +94,7 @@ def zoo_attention_forward(
         decoding=decoding,
         row_start=row_start,
         cross_attention=cross,
+        recomputed=module.training and not torch.compiler.is_compiling() and _patches.in_backward(),
     )
     query, key, value = compute_dtype(query, key, value)
     with torch.autocast(device_type=query.device.type, enabled=False):  # kernels choose their fp32 parts

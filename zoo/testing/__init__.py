@@ -132,8 +132,10 @@ def make_weights(
 
 
 def declares_weights(variant: Variant) -> bool:
-    """True when the variant, at its current parameters, has learned per-layer weights."""
-    return make_weights(variant) is not None
+    """True when the variant, at its current parameters, has learned per-layer weights (parameters; a module holding
+    only buffers, such as performer's redraw counter, has none to train)."""
+    weights = make_weights(variant)
+    return weights is not None and any(True for _ in weights.parameters())
 
 
 DECODER_FAMILIES = {  # rotary decoders with grouped key/value heads
