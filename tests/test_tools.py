@@ -161,3 +161,58 @@ def test_peft_adapter_reload_keeps_the_redraw_counter(tmp_path):
     with torch.no_grad():
         got = reloaded(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 2. torch.compile without graph breaks, torch.export
+
+NO_BREAKS = ["sdpa", "dense", "linear", "performer", "longformer", "sparse_transformer", "hybrid"]
+
+
+def _graph_breaks(model, ids, mask) -> tuple[int, list[str]]:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(input_ids=ids, attention_mask=mask)
+    where = [f"{b.user_stack[-1].filename}:{b.user_stack[-1].lineno}" if b.user_stack else str(b.reason)[:120]
+             for b in explained.break_reasons]
+    return explained.graph_break_count, where
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+@pytest.mark.parametrize("name", NO_BREAKS)
+def test_compiled_llama_has_no_graph_break(name, padded):
+    """The zoo's mask function, row starts, chunk plans and kernels trace into one graph (transformers' own sdpa:
+    1 graph, 0 breaks); the sparse kernels at two lengths (their chunk loops must not break per chunk)."""
+    model = _tiny_llama(name).eval()
+    for n in (64, 160) if name in ("longformer", "sparse_transformer") else (64,):
+        ids, mask = model_inputs(n=n)
+        breaks, where = _graph_breaks(model, ids, mask if padded else torch.ones_like(mask))
+        assert breaks == 0, f"{name} at n={n}: {breaks} graph breaks at {where}"
+
+
+@pytest.mark.parametrize("name", ["sdpa", "longformer", "linear"])
+def test_compiled_outputs_and_gradients_equal_eager(name):
+    ids, mask = model_inputs(n=48)
+    results = []
+    for compiled in (False, True):
+        model = _tiny_llama(name).train()
+        run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+        loss = run(input_ids=ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        results.append((loss.detach(), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}))
+    torch._dynamo.reset()
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-5)
+    _assert_same_state(results[1][1], results[0][1], atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["sdpa", "longformer"])
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_torch_export(family, name):
+    torch.manual_seed(0)
+    auto = transformers.AutoModelForCausalLM if family == "llama" else transformers.AutoModel
+    model = auto.from_config(tiny_model_config(family, name)).eval()
+    ids, mask = model_inputs(n=64)
+    kwargs = {"input_ids": ids, "attention_mask": mask, **({"use_cache": False} if family == "llama" else {})}
+    exported = torch.export.export(model, args=(), kwargs=kwargs)
+    torch.testing.assert_close(exported.module()(**kwargs)[0], model(**kwargs)[0], atol=1e-5, rtol=1e-5)

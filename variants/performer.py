@@ -98,9 +98,12 @@ class PerformerAttention(Variant):
     def __init__(self, **params) -> None:
         super().__init__(**params)
         self._projections: dict[tuple, torch.Tensor] = {}
+        self._drawn: dict[tuple, torch.Tensor] = {}
 
     def make_module(self, layer_idx: int, config, head_dim: int, num_heads: int) -> nn.Module | None:
-        """The redraw counter (a buffer, no learned weights); none when features are never redrawn."""
+        """The redraw counter (a buffer, no learned weights); none when features are never redrawn. The layer's
+        first draw is made now, outside any compiled graph (drawing there would break it)."""
+        self.drawn(layer_idx, 0, head_dim)
         return RedrawCounter() if self.redraw_interval else None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
@@ -233,15 +236,28 @@ class PerformerAttention(Variant):
         return max(done - 1, 0) // self.redraw_interval
 
     def projection(self, layer: int, draw: int, head_dim: int, device: torch.device, dtype: torch.dtype):
-        """W (m, d) for (seed, layer, draw), cached per (layer, draw, d, device, dtype); older draws are evicted."""
+        """W (m, d) for (seed, layer, draw), cached per (layer, draw, d, device, dtype); older draws are evicted.
+        Inside a compiled graph: the cached draw (:meth:`drawn`) moved to ``device``/``dtype``, no cache update."""
         key = (layer, draw, head_dim, str(device), dtype)
         cached = self._projections.get(key)
         if cached is None:
+            if torch.compiler.is_compiling():
+                return self.drawn(layer, draw, head_dim).to(device=device, dtype=dtype)
             stale = [k for k in self._projections if k[0] == layer and k[1] != draw]
             for old in stale:
                 del self._projections[old]
-            cached = self.draw_projection(layer, draw, head_dim).to(device=device, dtype=dtype)
+            cached = self.drawn(layer, draw, head_dim).to(device=device, dtype=dtype)
             self._projections[key] = cached
+        return cached
+
+    def drawn(self, layer: int, draw: int, head_dim: int) -> torch.Tensor:
+        """:meth:`draw_projection`, kept per layer (fp64, CPU) until the layer draws anew."""
+        key = (layer, draw, head_dim)
+        cached = self._drawn.get(key)
+        if cached is None:
+            for old in [k for k in self._drawn if k[0] == layer and k != key]:
+                del self._drawn[old]
+            cached = self._drawn[key] = self.draw_projection(layer, draw, head_dim)
         return cached
 
     def draw_projection(self, layer: int, draw: int, head_dim: int) -> torch.Tensor:
@@ -253,7 +269,7 @@ class PerformerAttention(Variant):
         generator = torch.Generator().manual_seed(stream_seed("performer", self.seed, layer, draw))
         blocks = []
         for _ in range(math.ceil(self.nb_features / head_dim)):
-            gaussian = torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64)
+            gaussian = torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64, device="cpu")
             orthogonal, _ = torch.linalg.qr(gaussian)
             blocks.append(orthogonal.T)
         return torch.cat(blocks)[: self.nb_features] * math.sqrt(head_dim)

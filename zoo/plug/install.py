@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 from transformers import AttentionInterface, AttentionMaskInterface, PretrainedConfig, PreTrainedModel
-from transformers.masking_utils import flash_attention_mask
 
 from zoo.plug import _patches
 from zoo.plug.dispatch import zoo_attention_forward
@@ -106,8 +106,8 @@ def install() -> None:
     if _installed:
         return
     AttentionInterface.register(IMPLEMENTATION, zoo_attention_forward)
-    # The flash-style mask function yields the 2-D (batch, seq) padding mask (or None): O(n), never n x n.
-    AttentionMaskInterface.register(IMPLEMENTATION, flash_attention_mask)
+    # A 2-D (batch, seq) padding mask (or None): O(n), never n x n.
+    AttentionMaskInterface.register(IMPLEMENTATION, padding_mask)
     _patches.apply(
         saved_implementation=_saved_implementation,
         check_model=_check_model_can_run,
@@ -116,6 +116,30 @@ def install() -> None:
         checkpoint_loaded=_initialize_missing_weights,
     )
     _installed = True
+
+
+def padding_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """The mask function of the zoo implementation: the 2-D (batch, kv_length) padding mask, the last ``kv_length``
+    columns of ``attention_mask`` (what ``transformers.masking_utils.flash_attention_mask`` returns), or None.
+
+    Eager, an all-real mask is dropped (None: kernels take their unpadded path). Inside a compiled or exported graph
+    it is kept: testing it would read the tensor on the host and break the graph, and every kernel gives the same
+    result for an all-True mask."""
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:]
+    if torch.compiler.is_compiling() or attention_mask.shape[1] != kv_length:
+        return attention_mask
+    return None if bool(attention_mask.all()) else attention_mask
 
 
 def _saved_implementation(config: PretrainedConfig) -> str | None:
