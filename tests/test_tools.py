@@ -216,3 +216,38 @@ def test_torch_export(family, name):
     kwargs = {"input_ids": ids, "attention_mask": mask, **({"use_cache": False} if family == "llama" else {})}
     exported = torch.export.export(model, args=(), kwargs=kwargs)
     torch.testing.assert_close(exported.module()(**kwargs)[0], model(**kwargs)[0], atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 4. switching the implementation away, torch.jit.trace
+
+
+def test_switching_away_from_the_zoo_drops_the_entry_with_one_log_line(tmp_path, caplog):
+    import json
+
+    from zoo.plug.spec import IMPLEMENTATION
+
+    model = transformers.AutoModel.from_config(tiny_model_config("bert", "longformer"))
+    model.save_pretrained(tmp_path / "zoo")
+    with caplog.at_level("WARNING", logger="zoo.plug.install"):
+        model.set_attn_implementation("sdpa")
+    assert [r.getMessage() for r in caplog.records if "attention-zoo" in r.getMessage()] == [
+        "attention-zoo: BertModel now uses attn_implementation='sdpa', so its config no longer records the "
+        "attention-zoo variant 'longformer' (set_attn_implementation back to the zoo's, or zoo.configure, to run it "
+        "again)."
+    ]
+    model.save_pretrained(tmp_path / "sdpa")
+    saved = json.loads((tmp_path / "sdpa" / "config.json").read_text())
+    assert "attention_zoo" not in saved and "attn_implementation" not in saved
+    model.set_attn_implementation(IMPLEMENTATION)  # and back: the entry returns
+    assert model.config.attention_zoo["variant"] == "longformer"
+    reloaded = transformers.AutoModel.from_pretrained(tmp_path / "zoo", attn_implementation="sdpa")
+    assert not hasattr(reloaded.config, "attention_zoo") and reloaded.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("name", ["sdpa", "longformer"])
+def test_torch_jit_trace_is_refused_with_a_clear_error(name):
+    model = transformers.AutoModel.from_config(tiny_model_config("bert", name)).eval()
+    ids, mask = model_inputs(n=32)
+    with pytest.raises(RuntimeError, match="torch.jit.trace cannot record attention-zoo variant .*torch.export"):
+        torch.jit.trace(model, (ids, mask), strict=False)

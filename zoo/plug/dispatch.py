@@ -53,6 +53,13 @@ def zoo_attention_forward(
     """transformers AttentionInterface function: q/k/v (B, H, N, D) in, (B, N, H, D) out."""
     config = module.config
     variant = variant_for(config)
+    if torch.jit.is_tracing():
+        raise RuntimeError(
+            f"torch.jit.trace cannot record attention-zoo variant {variant.name!r}: its kernels decide on the host "
+            "(is the batch padded, where rows start, which chunks to run) and use custom autograd Functions, so a "
+            "trace would replay one input's decisions for every input, or fail inside the kernel. Use torch.export "
+            "(it guards those decisions) or torch.compile instead; TorchScript is deprecated in PyTorch."
+        )
     if kwargs.get("output_attentions"):
         raise ValueError(
             f"output_attentions=True is not available with attention-zoo variant {variant.name!r}: it never "

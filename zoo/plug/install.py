@@ -25,6 +25,7 @@ from zoo.plug.spec import (
     IMPLEMENTATION,
     check_model_supported,
     is_decoder_only,
+    per_config,
     variant_for,
     zoo_variant_of,
 )
@@ -149,11 +150,34 @@ def _saved_implementation(config: PretrainedConfig) -> str | None:
     return None
 
 
+_switched_away: dict[int, dict] = {}  # per config: the attention_zoo entry of a model switched to another one
+
+
 def _check_model_can_run(model: PreTrainedModel, requested: str | None) -> None:
-    """At model construction, not at the first forward: the family calls the interface, the variant is here."""
+    """At model construction, not at the first forward: the family calls the interface, the variant is here.
+
+    A model that carries a zoo variant and is switched to another implementation (``set_attn_implementation("sdpa")``,
+    ``from_pretrained(zoo_checkpoint, attn_implementation="sdpa")``) drops its ``attention_zoo`` entry, so a save no
+    longer records a variant that does not run; it is kept aside (in memory) and comes back if the model is switched
+    back to the zoo."""
+    config = model.config
     if requested == IMPLEMENTATION:
-        check_model_supported(model.config, model)
-        variant_for(model.config)
+        kept = _switched_away.pop(id(config), None)
+        if kept is not None and not getattr(config, CONFIG_KEY, None):
+            setattr(config, CONFIG_KEY, kept)
+            logger.warning("attention-zoo: %s runs variant %r again.", type(model).__name__, kept.get("variant"))
+        check_model_supported(config, model)
+        variant_for(config)
+    elif isinstance(requested, str) and getattr(config, CONFIG_KEY, None):
+        spec = getattr(config, CONFIG_KEY)
+        delattr(config, CONFIG_KEY)
+        per_config(_switched_away, config, spec)  # the entry dies with the config
+        _switched_away[id(config)] = spec
+        logger.warning(
+            "attention-zoo: %s now uses attn_implementation=%r, so its config no longer records the attention-zoo "
+            "variant %r (set_attn_implementation back to the zoo's, or zoo.configure, to run it again).",
+            type(model).__name__, requested, spec.get("variant"),
+        )
 
 
 def _attach_weights(model: PreTrainedModel) -> None:
