@@ -166,7 +166,7 @@ def test_peft_adapter_reload_keeps_the_redraw_counter(tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 # 2. torch.compile without graph breaks, torch.export
 
-NO_BREAKS = ["sdpa", "dense", "linear", "performer", "longformer", "sparse_transformer", "hybrid"]
+NO_BREAKS = ["sdpa", "dense", "linear", "performer", "longformer", "sparse_transformer", "hybrid", "xformers"]
 
 
 def _graph_breaks(model, ids, mask) -> tuple[int, list[str]]:
