@@ -172,11 +172,16 @@ def test_redraws_follow_training_calls_and_eval_uses_the_last_draw():
     assert {never.draw_index(call(False, training=True, state=state)) for _ in range(5)} == {0}
 
 
-def test_bert_reloads_with_the_same_features_after_training(tmp_path):
+def tiny_performer_bert() -> transformers.PreTrainedModel:
+    """A 2-layer BERT with performer redrawing every 2 training calls (32 features)."""
     config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                      intermediate_size=64, attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)
-    model = transformers.AutoModel.from_config(zoo.configure(config, "performer", redraw_interval=2, nb_features=32))
+    return transformers.AutoModel.from_config(zoo.configure(config, "performer", redraw_interval=2, nb_features=32))
+
+
+def test_bert_reloads_with_the_same_features_after_training(tmp_path):
+    model = tiny_performer_bert()
     ids = torch.randint(0, 64, (2, 40))
     mask = torch.ones(2, 40, dtype=torch.long)
     mask[1, 30:] = 0
@@ -206,10 +211,7 @@ def test_a_checkpoint_saved_before_the_counter_buffer_reads_the_configs_copy(tmp
     """Older checkpoints have the counters only in config.json: the missing buffers start from them."""
     from safetensors.torch import load_file, save_file
 
-    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=64, attention_probs_dropout_prob=0.0)
-    torch.manual_seed(0)
-    model = transformers.AutoModel.from_config(zoo.configure(config, "performer", redraw_interval=2, nb_features=32))
+    model = tiny_performer_bert()
     ids = torch.randint(0, 64, (2, 40))
     model.train()
     for _ in range(5):
