@@ -54,6 +54,17 @@ def test_trainer_bf16_trains_a_llama(tmp_path, name):
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
 
 
+@pytest.mark.parametrize("name", ["sdpa", "longformer", "bigbird"])
+def test_generate_under_bf16_autocast_with_left_padding(name):
+    """The crash the issue met (`expected scalar type Float but found BFloat16` in the CPU flash op) under generate."""
+    model = _tiny_llama(name).eval()
+    ids, mask = model_inputs(n=40)
+    ids, mask = ids.flip(-1), mask.flip(-1)  # left padding
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 44)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # 3. variant state in the state dict (performer's redraw counter), gradient checkpointing
 
