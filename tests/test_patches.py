@@ -197,6 +197,24 @@ def test_canary_trainer_writes_checkpoints_through_save_checkpoint():
         _fail(_use("Trainer._save_checkpoint"), "the training loop no longer saves checkpoints through it")
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_canary_checkpoint_recomputes_inside_the_backward(reentrant):
+    """``in_backward`` (``torch._C._current_graph_task_id``) is False in a forward and True in the forward that
+    activation checkpointing recomputes (what ``AttentionCall.recomputed`` reports)."""
+    import torch.utils.checkpoint
+
+    seen = []
+
+    def layer(x):
+        seen.append(_patches.in_backward())
+        return x.sin()
+
+    x = torch.ones(3, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=reentrant).sum().backward()
+    if seen != [False, True]:
+        _fail(_use("torch._C._current_graph_task_id"), f"forward then recompute saw in_backward() = {seen}")
+
+
 def test_canary_message_names_the_version_and_the_file():
     use = _use("Cache.update")
     message = use.outdated("it changed")

@@ -92,7 +92,15 @@ class LongformerAttention(Variant):
         mask = tokens(torch.arange(rows, device=device)[:, None], torch.arange(n, device=device)[None, :])
         if call.padding_mask is not None:
             mask = mask & call.padding_mask.to(mask.device)
+        if torch.compiler.is_compiling():  # testing it would read the tensor on the host: keep it (maybe all False)
+            return mask
         return mask if bool(mask.any()) else None
+
+    def global_width(self, call: AttentionCall) -> int | None:
+        """Inside a compiled graph, the most global tokens a row can have when it is known without reading a tensor
+        (``global_tokens`` only: their number); None elsewhere (the kernel counts them)."""
+        tokens = self.global_tokens_of(call)
+        return len(tokens.offsets) if torch.compiler.is_compiling() and tokens.marked is None else None
 
     def _half(self, layer_idx: int) -> int:
         return self.per_layer("window", layer_idx) // 2
@@ -114,18 +122,19 @@ class LongformerAttention(Variant):
         in_reach = (band_q, _rows_from(k, start, -2), _rows_from(v, start, -2))
         if is_global is None:
             return _last_rows(_local_attention(*in_reach, _rows_from(key_real, start), call, half, dilation), q_len)
-        extra = _global_keys(k, v, is_global, call.causal, start)
+        width = self.global_width(call)
+        extra = _global_keys(k, v, is_global, call.causal, start, width)
         band_ok = _rows_from(key_real & ~is_global, start)  # global keys count once: in the appended part
         local = _last_rows(_local_attention(*in_reach, band_ok, call, half, dilation, extra), q_len)
         if not self.global_projections:
-            return _with_global_rows(local, q, k, v, key_real, is_global, call)
+            return _with_global_rows(local, q, k, v, key_real, is_global, call, width=width)
         if q_len != n:
             raise ValueError(
                 "attention-zoo variant 'longformer': global_projections=True projects the hidden states of the whole "
                 f"sequence, but this call has {q_len} queries over {n} keys (decoding with a KV cache). Run the full "
                 "sequence, or use global_projections=False."
             )
-        return _with_global_rows(local, q, k, v, key_real, is_global, call, self.layer_weights(call))
+        return _with_global_rows(local, q, k, v, key_real, is_global, call, self.layer_weights(call), width)
 
     def attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         """Decoding with the windowed cache: each new query over the sinks and its window among the kept keys,
@@ -204,13 +213,14 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def _global_slots(is_global: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _global_slots(is_global: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions of each row's global tokens, ascending, (B, G), and which slots are real, (B, G).
 
-    A row with fewer globals fills its spare slots with its first non-global positions (distinct ones).
+    A row with fewer globals fills its spare slots with its first non-global positions (distinct ones). ``width``:
+    a known upper bound of the count per row (G; no host read of the counts), else the largest count.
     """
     counts = is_global.sum(-1)
-    width = int(counts.max())
+    width = int(counts.max()) if width is None else min(width, is_global.shape[-1])
     order = torch.sort(is_global.to(torch.uint8), dim=-1, descending=True, stable=True).indices
     slots = order[:, :width]
     valid = torch.arange(width, device=is_global.device)[None, :] < counts[:, None]
@@ -275,9 +285,9 @@ def _banded(q, k, v, band_ok, half, block, call, extra) -> torch.Tensor:
     return union_attention(parts, call)
 
 
-def _global_keys(k, v, is_global, causal, start):
+def _global_keys(k, v, is_global, causal, start, width=None):
     """The global keys appended to every block: (keys (B, H, G, D), values, allowed (B, 1 | n - start, G))."""
-    slots, valid = _global_slots(is_global)
+    slots, valid = _global_slots(is_global, width)
     allowed = valid[:, None, :]  # every query sees every global key ...
     if causal:  # ... that is not in its future
         queries = torch.arange(start, is_global.shape[-1], device=slots.device)
@@ -285,11 +295,11 @@ def _global_keys(k, v, is_global, causal, start):
     return _gather_rows(k, slots), _gather_rows(v, slots), allowed
 
 
-def _with_global_rows(local, q, k, v, key_real, is_global, call, projections=None) -> torch.Tensor:
+def _with_global_rows(local, q, k, v, key_real, is_global, call, projections=None, width=None) -> torch.Tensor:
     """``local`` (B, H, q_len, D) with the rows of global queries replaced by their attention over all keys
     (with the layer's q/k/v, or with the separate global ones of ``projections``)."""
     first = k.shape[-2] - q.shape[-2]
-    rows_at, valid = _global_slots(is_global[:, first:])
+    rows_at, valid = _global_slots(is_global[:, first:], width)
     if rows_at.shape[-1] == 0:
         return local
     allowed = key_real[:, None, None, :] & valid[:, None, :, None]

@@ -5,9 +5,14 @@ softmax(q·k·s) ∝ exp(q'·k') with q' = √s·q, k' = √s·k, and exp(q'·k'
 φ(x) = exp(Wx − ‖x‖²/2)/√m with Gaussian rows w. Here W is made of orthogonal blocks (QR of Gaussian d x d
 blocks) with rows of norm √d (lower variance than Gaussian row norms, see :meth:`draw_projection`).
 
-W is a deterministic function of (seed, layer, draw): the draw index advances every ``redraw_interval``
-training forward calls of a layer and its counter lives in ``call.state`` (saved in config.json), so a reloaded
-model rebuilds exactly the same features. Eval never redraws.
+W is a deterministic function of (seed, layer, draw): the draw index advances every ``redraw_interval`` training
+forward calls of a layer. The counter is a buffer of the layer's module (:class:`RedrawCounter`,
+``...attention_zoo.training_calls`` in the state dict), so it is saved and restored with the weights by every client
+that restores weights (``save_pretrained``, Trainer and accelerate resumes; peft with
+``modules_to_save=["attention_zoo"]``); a copy stays in ``call.state`` (config.json), read when the buffer never
+held a count (a checkpoint saved before the buffer existed). A forward recomputed during the backward (gradient
+checkpointing, ``call.recomputed``) neither advances it nor draws anew: it uses exactly the features of the forward
+it recomputes. Eval never redraws.
 
 Decoding (:class:`zoo.cache.RecurrentLayer`): the cache keeps no keys, only Σφ(k)ᵀ[v, 1] per batch row and
 head (h·m·(d + 1) fp32 numbers per layer) and the running key shift; prefill builds them in one O(n) pass and
@@ -15,7 +20,8 @@ each new token costs O(m·d). The features use the same W as the prefill (eval n
 stabilizer becomes a running maximum that rescales the sums when it grows. It cannot be rolled back.
 
 ``short_conv`` (default 0 = off): a learned causal depthwise convolution on q, k and v before the features
-(:class:`zoo.ops.short_conv.ShortConv`), its last inputs kept in the decoding state.
+(:class:`zoo.ops.short_conv.ShortConv`, held by the redraw counter when there is one), its last inputs kept in the
+decoding state.
 """
 
 from __future__ import annotations
@@ -25,14 +31,50 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from zoo.cache import RecurrentLayer
 from zoo.ops import default_chunk_size, in_head_groups, linear_attention, linear_attention_flops, stream_seed
 from zoo.ops.short_conv import ShortConv, short_conv_inputs
-from zoo.variant import AttentionCall, Param, Variant
+from zoo.variant import AttentionCall, LayerWeights, Param, Variant
 
 TRAINING_CALLS = "training_calls"  # call.state key: training forward calls per layer (the redraw counter)
 RELU_EPSILON = 1e-3  # keeps every relu feature vector non-zero (as in the reference implementation)
+UNKNOWN = -1  # a counter that never held a count: the config's copy (call.state) holds it, if anything
+
+
+def _refresh_after_load(counter: RedrawCounter, _incompatible_keys) -> None:
+    counter.refresh()
+
+
+class RedrawCounter(LayerWeights):
+    """One layer's training forward calls so far, as a buffer saved with the weights (no parameters).
+
+    The kernel *calls* it (so a wrapper such as peft's ``ModulesToSaveWrapper`` routes the call to its active copy).
+    ``calls`` mirrors the buffer on the host: eager calls read the buffer (a load may have replaced it), a compiled
+    graph reads the mirror (reading a tensor there would break the graph); a ``load_state_dict`` refreshes it."""
+
+    def __init__(self, conv: ShortConv | None = None) -> None:
+        super().__init__()
+        self.conv = conv  # with short_conv > 0: the layer's learned convolution (short_conv_inputs finds it here)
+        self.register_buffer(TRAINING_CALLS, torch.full((), UNKNOWN, dtype=torch.long))
+        self.calls = UNKNOWN
+        self.register_load_state_dict_post_hook(_refresh_after_load)
+
+    def refresh(self) -> int:
+        self.calls = int(getattr(self, TRAINING_CALLS))
+        return self.calls
+
+    def forward(self, advance: bool, earlier: int) -> int:
+        """The training calls done before this one (``earlier`` when the buffer never held a count: the config's
+        copy); ``advance``: count this call."""
+        done = self.calls if torch.compiler.is_compiling() else self.refresh()
+        done = earlier if done == UNKNOWN else done
+        if advance:
+            self.calls = done + 1
+            with torch.no_grad():
+                getattr(self, TRAINING_CALLS).fill_(done + 1)
+        return done
 
 
 class PerformerAttention(Variant):
@@ -64,9 +106,15 @@ class PerformerAttention(Variant):
     def __init__(self, **params) -> None:
         super().__init__(**params)
         self._projections: dict[tuple, torch.Tensor] = {}
+        self._drawn: dict[tuple, torch.Tensor] = {}
 
-    def make_module(self, layer_idx: int, config, head_dim: int, num_heads: int) -> ShortConv | None:
-        return ShortConv(num_heads, head_dim, self.short_conv) if self.short_conv else None
+    def make_module(self, layer_idx: int, config, head_dim: int, num_heads: int) -> nn.Module | None:
+        """The redraw counter (a buffer) holding the short convolution when there is one; the convolution alone
+        when features are never redrawn; none without either. The layer's first draw is made now, outside any
+        compiled graph (drawing there would break it)."""
+        self.drawn(layer_idx, 0, head_dim)
+        conv = ShortConv(num_heads, head_dim, self.short_conv) if self.short_conv else None
+        return RedrawCounter(conv) if self.redraw_interval else conv
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         q, k, v = short_conv_inputs(self, q, k, v, call)
@@ -178,31 +226,49 @@ class PerformerAttention(Variant):
                 )
 
     def draw_index(self, call: AttentionCall) -> int:
-        """Which draw of W this call uses; training calls advance the layer's counter in ``call.state``.
+        """Which draw of W this call uses; training calls advance the layer's counter (the :class:`RedrawCounter`
+        in ``call.weights`` when the layer has one, and its copy in ``call.state``).
 
-        Training call number c (0-based) uses draw c // redraw_interval; eval uses the draw of the last
-        training call, so a model is evaluated (and reloaded) with the features it was trained with last.
+        Training call number c (0-based) uses draw c // redraw_interval; eval -- and a forward recomputed in the
+        backward (``call.recomputed``) -- uses the draw of the last training call, so a model is evaluated (and
+        reloaded, and its checkpointed layers recomputed) with the features it was trained with last.
         """
         if self.redraw_interval == 0:
             return 0
         counters = call.state.setdefault(TRAINING_CALLS, {})
         layer = str(call.layer_idx)  # JSON object keys are strings: same key before and after a reload
+        advance = call.training and not call.recomputed
         done = int(counters.get(layer, 0))
-        if call.training:
+        if call.weights is not None:  # the RedrawCounter (or a wrapper that calls it)
+            done = call.weights(advance, done)
+        if advance:
             counters[layer] = done + 1
             return done // self.redraw_interval
         return max(done - 1, 0) // self.redraw_interval
 
     def projection(self, layer: int, draw: int, head_dim: int, device: torch.device, dtype: torch.dtype):
-        """W (m, d) for (seed, layer, draw), cached per (layer, draw, d, device, dtype); older draws are evicted."""
+        """W (m, d) for (seed, layer, draw), cached per (layer, draw, d, device, dtype); older draws are evicted.
+        Inside a compiled graph: the cached draw (:meth:`drawn`) moved to ``device``/``dtype``, no cache update."""
         key = (layer, draw, head_dim, str(device), dtype)
         cached = self._projections.get(key)
         if cached is None:
+            if torch.compiler.is_compiling():
+                return self.drawn(layer, draw, head_dim).to(device=device, dtype=dtype)
             stale = [k for k in self._projections if k[0] == layer and k[1] != draw]
             for old in stale:
                 del self._projections[old]
-            cached = self.draw_projection(layer, draw, head_dim).to(device=device, dtype=dtype)
+            cached = self.drawn(layer, draw, head_dim).to(device=device, dtype=dtype)
             self._projections[key] = cached
+        return cached
+
+    def drawn(self, layer: int, draw: int, head_dim: int) -> torch.Tensor:
+        """:meth:`draw_projection`, kept per layer (fp64, CPU) until the layer draws anew."""
+        key = (layer, draw, head_dim)
+        cached = self._drawn.get(key)
+        if cached is None:
+            for old in [k for k in self._drawn if k[0] == layer and k != key]:
+                del self._drawn[old]
+            cached = self._drawn[key] = self.draw_projection(layer, draw, head_dim)
         return cached
 
     def draw_projection(self, layer: int, draw: int, head_dim: int) -> torch.Tensor:
@@ -214,7 +280,7 @@ class PerformerAttention(Variant):
         generator = torch.Generator().manual_seed(stream_seed("performer", self.seed, layer, draw))
         blocks = []
         for _ in range(math.ceil(self.nb_features / head_dim)):
-            gaussian = torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64)
+            gaussian = torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64, device="cpu")
             orthogonal, _ = torch.linalg.qr(gaussian)
             blocks.append(orthogonal.T)
         return torch.cat(blocks)[: self.nb_features] * math.sqrt(head_dim)

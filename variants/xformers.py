@@ -79,9 +79,17 @@ class TorchPathNeeded(Exception):
     """xformers cannot express this call; the message says why (it goes into the backend log)."""
 
 
-@functools.cache
 def log_backend_once(backend: str, reason: str) -> None:
+    if not torch.compiler.is_compiling():  # a compiled graph would break at the (cached) logging call
+        _log_backend(backend, reason)
+
+
+@functools.cache
+def _log_backend(backend: str, reason: str) -> None:
     logger.info("attention-zoo variant 'xformers' runs on %s (%s).", backend, reason)
+
+
+log_backend_once.cache_clear = _log_backend.cache_clear  # tests forget what was logged
 
 
 def xformers_unavailable_reason(q: torch.Tensor) -> str | None:

@@ -29,7 +29,9 @@ class AttentionCall:
     key (None: 0 .. kv_len - 1; a windowed cache hands over sinks and the recent keys); ``decoding``: the queries are
     the newest tokens over a cache holding earlier ones (the queries are always the last ``q_len`` keys);
     ``row_start`` (batch,) long: each row's first real token (left padding), None when every row starts at 0;
-    ``cross_attention``: the keys come from another sequence (an encoder), ``padding_mask`` covers those keys.
+    ``cross_attention``: the keys come from another sequence (an encoder), ``padding_mask`` covers those keys;
+    ``recomputed``: a training forward recomputed during the backward (activation/gradient checkpointing): state that
+    counts training calls must not advance, and the call must compute exactly what the original forward did.
     """
 
     causal: bool
@@ -46,6 +48,7 @@ class AttentionCall:
     decoding: bool = False
     row_start: torch.Tensor | None = None
     cross_attention: bool = False
+    recomputed: bool = False
 
     @property
     def effective_dropout(self) -> float:

@@ -158,10 +158,15 @@ def global_columns(tokens: TokenSet) -> MaskMod:
 
 
 def row_starts(padding_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """(B,) position of each row's first real token (left padding), or None when every row starts at 0."""
+    """(B,) position of each row's first real token (left padding), or None when every row starts at 0.
+
+    Inside a compiled graph the starts are returned even when all are 0 (deciding that would read the tensor on the
+    host and break the graph); zeros mean the same as None to every consumer."""
     if padding_mask is None:
         return None
     starts = padding_mask.to(torch.uint8).argmax(-1)
+    if torch.compiler.is_compiling():
+        return starts
     return starts if bool(starts.any()) else None
 
 
@@ -223,11 +228,14 @@ def dense_mask(mask_mod: MaskMod | None, causal: bool, padding_mask, batch: int,
                device=None, positions: torch.Tensor | None = None) -> torch.Tensor | None:
     """The O(n²) mask of ``mask_mod`` with causality and padding; None when nothing restricts the call."""
     device = device if device is not None else (padding_mask.device if padding_mask is not None else "cpu")
+    span = kv_len  # positions 0 .. span - 1 (known without reading positions on the host)
     if positions is None:
         positions = torch.arange(kv_len, device=device)
+    else:
+        span = int(positions.max()) + 1
     padded = None
     if padding_mask is not None:  # padding_mask_function indexes by position: spread it over the positions
-        padded = torch.zeros(padding_mask.shape[0], int(positions.max()) + 1, dtype=torch.bool, device=device)
+        padded = torch.zeros(padding_mask.shape[0], span, dtype=torch.bool, device=device)
         padded[:, positions] = padding_mask.to(device)
     predicate = with_causality_and_padding(mask_mod, causal, padded)
     if predicate is None:

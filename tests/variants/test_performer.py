@@ -172,11 +172,16 @@ def test_redraws_follow_training_calls_and_eval_uses_the_last_draw():
     assert {never.draw_index(call(False, training=True, state=state)) for _ in range(5)} == {0}
 
 
-def test_bert_reloads_with_the_same_features_after_training(tmp_path):
+def tiny_performer_bert() -> transformers.PreTrainedModel:
+    """A 2-layer BERT with performer redrawing every 2 training calls (32 features)."""
     config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                      intermediate_size=64, attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)
-    model = transformers.AutoModel.from_config(zoo.configure(config, "performer", redraw_interval=2, nb_features=32))
+    return transformers.AutoModel.from_config(zoo.configure(config, "performer", redraw_interval=2, nb_features=32))
+
+
+def test_bert_reloads_with_the_same_features_after_training(tmp_path):
+    model = tiny_performer_bert()
     ids = torch.randint(0, 64, (2, 40))
     mask = torch.ones(2, 40, dtype=torch.long)
     mask[1, 30:] = 0
@@ -192,5 +197,30 @@ def test_bert_reloads_with_the_same_features_after_training(tmp_path):
     saved = json.loads((tmp_path / "config.json").read_text())["attention_zoo"]["state"]
     assert saved == {"training_calls": {"0": 5, "1": 5}}  # eval uses draw (5 - 1) // 2 = 2, not the first one
     assert torch.equal(reloaded(input_ids=ids, attention_mask=mask).last_hidden_state, out)
-    reloaded.config.attention_zoo["state"].clear()  # forgetting the counters changes the features
+    counters = {k: v for k, v in reloaded.state_dict().items() if k.endswith("attention_zoo.training_calls")}
+    assert sorted(int(v) for v in counters.values()) == [5, 5]  # the buffers, saved with the weights
+    reloaded.config.attention_zoo["state"].clear()  # the buffers win over the config's copy
+    assert torch.equal(reloaded(input_ids=ids, attention_mask=mask).last_hidden_state, out)
+    for module in reloaded.modules():  # forgetting the counters changes the features
+        if hasattr(module, "training_calls"):
+            module.load_state_dict({"training_calls": torch.tensor(0)})
     assert not torch.allclose(reloaded(input_ids=ids, attention_mask=mask).last_hidden_state, out)
+
+
+def test_a_checkpoint_saved_before_the_counter_buffer_reads_the_configs_copy(tmp_path):
+    """Older checkpoints have the counters only in config.json: the missing buffers start from them."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_performer_bert()
+    ids = torch.randint(0, 64, (2, 40))
+    model.train()
+    for _ in range(5):
+        model(input_ids=ids)
+    model.eval()
+    out = model(input_ids=ids).last_hidden_state
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if "training_calls" not in k}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    reloaded = transformers.AutoModel.from_pretrained(tmp_path).eval()
+    assert torch.equal(reloaded(input_ids=ids).last_hidden_state, out)

@@ -88,9 +88,12 @@ def sdpa_real_tokens_first(q, k, v, real: torch.Tensor, call: AttentionCall) -> 
     """Torch SDPA over a padded batch (q_len == kv_len) without an n x n mask: the real tokens of every row are
     moved to the front in order (``real`` (B, n) bool, any pattern of holes), one SDPA runs on the first
     ``max(real tokens)`` slots (causal: ``is_causal``, the real tokens keep their order; bidirectional: a
-    (B, 1, 1, slots) key mask) and the rows are scattered back. Padded query rows are zero."""
+    (B, 1, 1, slots) key mask) and the rows are scattered back. Padded query rows are zero. Inside a compiled graph
+    every slot is kept (the longest row's length would be read on the host and break the graph)."""
     lengths = real.sum(-1)
-    order = torch.argsort((~real).to(torch.uint8), dim=-1, stable=True)[:, : int(lengths.max())]  # reals first
+    order = torch.argsort((~real).to(torch.uint8), dim=-1, stable=True)  # reals first
+    if not torch.compiler.is_compiling():
+        order = order[:, : int(lengths.max())]
     index = order[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1])
     front = [x.gather(2, index) for x in (q, k, v)]
     key_real = None

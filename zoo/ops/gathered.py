@@ -115,6 +115,9 @@ def _chunk(k_blocks, v_blocks, index, allowed: Allowed, start: int, stop: int, d
     rows = index[start:stop].flatten()
     gathered = []
     for name, x in (("keys", k_blocks), ("values", v_blocks)):
+        if torch.compiler.is_compiling():  # a graph plans its own memory (and export refuses out= with autograd)
+            gathered.append(x.index_select(0, rows).view(stop - start, 1, -1, x.shape[-1]))
+            continue
         buffer = buffers.get(name)
         if buffer is None or buffer.shape[0] < rows.numel():  # the first chunk is the largest
             buffer = buffers[name] = x.new_empty(rows.numel(), *x.shape[1:])

@@ -90,9 +90,10 @@ def gate_source(hidden_states: torch.Tensor | None, k: torch.Tensor, width: int,
 
 
 def short_conv_inputs(variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call) -> tuple:
-    """q, k, v through ``call.weights`` when it is a :class:`ShortConv` (``linear`` and ``performer`` with
-    ``short_conv`` > 0), continuing from a recurrent cache's state; unchanged otherwise."""
-    conv = call.weights
+    """q, k, v through the layer's :class:`ShortConv` (``call.weights``, or its ``conv`` when the layer's module holds
+    more, as performer's redraw counter does) when ``short_conv`` > 0, continuing from a recurrent cache's state;
+    unchanged otherwise."""
+    conv = call.weights if isinstance(call.weights, ShortConv) else getattr(call.weights, "conv", None)
     if not isinstance(conv, ShortConv):
         if getattr(variant, "short_conv", 0):
             variant.layer_weights(call)  # the clear error: the module was built without its weights

@@ -214,24 +214,33 @@ def compute_global_attention_mask(input_ids: torch.Tensor, sep_token_id: int, be
     return modeling_longformer._compute_global_attention_mask(input_ids, sep_token_id, before_sep)
 
 
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward on this thread: where activation checkpointing (reentrant or
+    not) recomputes a forward. torch has no public query for it; ``torch.utils.checkpoint`` uses the same one."""
+    return torch._C._current_graph_task_id() != -1
+
+
 @dataclass(frozen=True)
 class PrivateUse:
     """A private symbol or calling convention the package relies on, and the file that relies on it."""
 
-    library: str  # "transformers" or "accelerate"
+    library: str  # "transformers", "accelerate" or "torch"
     symbol: str
     used_in: str
 
     def outdated(self, what: str) -> str:
         """The canary's message when the behaviour changed: the library version and the file to update."""
         version = importlib.metadata.version(self.library)
-        verified = VERIFIED_ON if self.library == "transformers" else ACCELERATE_VERIFIED_ON
+        verified = {"transformers": VERIFIED_ON, "torch": TORCH_VERIFIED_ON}.get(self.library, ACCELERATE_VERIFIED_ON)
         return (f"{self.library} {version} (attention-zoo verified {self.symbol} on {verified}): {what}. "
                 f"Update {self.used_in} and zoo/plug/_patches.py.")
 
 
 ACCELERATE_VERIFIED_ON = "1.15"
+TORCH_VERIFIED_ON = "2.13"
 PRIVATE_USES = (
+    PrivateUse("torch", "torch._C._current_graph_task_id() (-1 outside a backward; in_backward)",
+               "zoo/plug/dispatch.py"),
     PrivateUse("transformers", "PreTrainedModel._is_hf_initialized (modules and tensors)", "zoo/plug/weights.py"),
     PrivateUse("transformers", "PreTrainedModel._keys_to_ignore_on_load_missing", "zoo/plug/weights.py"),
     PrivateUse("transformers", "PreTrainedModel._can_record_outputs['attentions']", "zoo/plug/weights.py"),

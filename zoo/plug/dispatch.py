@@ -17,6 +17,7 @@ from zoo.cache import LAYER_KWARG, WindowedLayer
 from zoo.call import AttentionCall
 from zoo.ops import expand_kv, flex
 from zoo.pattern import row_starts
+from zoo.plug import _patches
 from zoo.plug.backend import after_flex_failure, compiled, flex_pattern
 from zoo.plug.spec import CONFIG_KEY, per_config, variant_for
 from zoo.plug.weights import WEIGHTS_NAME
@@ -52,6 +53,13 @@ def zoo_attention_forward(
     """transformers AttentionInterface function: q/k/v (B, H, N, D) in, (B, N, H, D) out."""
     config = module.config
     variant = variant_for(config)
+    if torch.jit.is_tracing():
+        raise RuntimeError(
+            f"torch.jit.trace cannot record attention-zoo variant {variant.name!r}: its kernels decide on the host "
+            "(is the batch padded, where rows start, which chunks to run) and use custom autograd Functions, so a "
+            "trace would replay one input's decisions for every input, or fail inside the kernel. Use torch.export "
+            "(it guards those decisions) or torch.compile instead; TorchScript is deprecated in PyTorch."
+        )
     if kwargs.get("output_attentions"):
         raise ValueError(
             f"output_attentions=True is not available with attention-zoo variant {variant.name!r}: it never "
@@ -93,11 +101,26 @@ def zoo_attention_forward(
         decoding=decoding,
         row_start=row_start,
         cross_attention=cross,
+        recomputed=module.training and not torch.compiler.is_compiling() and _patches.in_backward(),
     )
-    out = run_variant(variant, query, key, value, call)
+    query, key, value = compute_dtype(query, key, value)
+    with torch.autocast(device_type=query.device.type, enabled=False):  # kernels choose their fp32 parts
+        out = run_variant(variant, query, key, value, call)
     if isinstance(cache_layer, WindowedLayer):
         cache_layer.after_call()  # the keys were read: drop what no later query reaches
     return out.transpose(1, 2).contiguous(), None
+
+
+def compute_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """q/k/v in one dtype, once, before any kernel: under autocast its dtype for the device (the rotary embedding
+    returns fp32 q/k while v is bf16, and the CPU flash kernels autocast does not cover need one dtype); else the
+    values' dtype. Kernels then run with autocast off, keep softmax statistics and recurrent states in fp32
+    themselves, and return this dtype."""
+    device = query.device.type
+    target = value.dtype
+    if torch.is_autocast_enabled(device) and query.is_floating_point():
+        target = torch.get_autocast_dtype(device)
+    return tuple(x if x.dtype == target else x.to(target) for x in (query, key, value))
 
 
 def is_cross_attention(module: torch.nn.Module) -> bool:

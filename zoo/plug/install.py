@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 from transformers import AttentionInterface, AttentionMaskInterface, PretrainedConfig, PreTrainedModel
-from transformers.masking_utils import flash_attention_mask
 
 from zoo.plug import _patches
 from zoo.plug.dispatch import zoo_attention_forward
@@ -25,6 +25,7 @@ from zoo.plug.spec import (
     IMPLEMENTATION,
     check_model_supported,
     is_decoder_only,
+    per_config,
     variant_for,
     zoo_variant_of,
 )
@@ -106,8 +107,8 @@ def install() -> None:
     if _installed:
         return
     AttentionInterface.register(IMPLEMENTATION, zoo_attention_forward)
-    # The flash-style mask function yields the 2-D (batch, seq) padding mask (or None): O(n), never n x n.
-    AttentionMaskInterface.register(IMPLEMENTATION, flash_attention_mask)
+    # A 2-D (batch, seq) padding mask (or None): O(n), never n x n.
+    AttentionMaskInterface.register(IMPLEMENTATION, padding_mask)
     _patches.apply(
         saved_implementation=_saved_implementation,
         check_model=_check_model_can_run,
@@ -118,6 +119,30 @@ def install() -> None:
     _installed = True
 
 
+def padding_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """The mask function of the zoo implementation: the 2-D (batch, kv_length) padding mask, the last ``kv_length``
+    columns of ``attention_mask`` (what ``transformers.masking_utils.flash_attention_mask`` returns), or None.
+
+    Eager, an all-real mask is dropped (None: kernels take their unpadded path). Inside a compiled or exported graph
+    it is kept: testing it would read the tensor on the host and break the graph, and every kernel gives the same
+    result for an all-True mask."""
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:]
+    if torch.compiler.is_compiling() or attention_mask.shape[1] != kv_length:
+        return attention_mask
+    return None if bool(attention_mask.all()) else attention_mask
+
+
 def _saved_implementation(config: PretrainedConfig) -> str | None:
     """What config.json records as ``attn_implementation``: ours for configs that carry a zoo variant."""
     if getattr(config, CONFIG_KEY, None) and getattr(config, "_attn_implementation", None) == IMPLEMENTATION:
@@ -125,11 +150,34 @@ def _saved_implementation(config: PretrainedConfig) -> str | None:
     return None
 
 
+_switched_away: dict[int, dict] = {}  # per config: the attention_zoo entry of a model switched to another one
+
+
 def _check_model_can_run(model: PreTrainedModel, requested: str | None) -> None:
-    """At model construction, not at the first forward: the family calls the interface, the variant is here."""
+    """At model construction, not at the first forward: the family calls the interface, the variant is here.
+
+    A model that carries a zoo variant and is switched to another implementation (``set_attn_implementation("sdpa")``,
+    ``from_pretrained(zoo_checkpoint, attn_implementation="sdpa")``) drops its ``attention_zoo`` entry, so a save no
+    longer records a variant that does not run; it is kept aside (in memory) and comes back if the model is switched
+    back to the zoo."""
+    config = model.config
     if requested == IMPLEMENTATION:
-        check_model_supported(model.config, model)
-        variant_for(model.config)
+        kept = _switched_away.pop(id(config), None)
+        if kept is not None and not getattr(config, CONFIG_KEY, None):
+            setattr(config, CONFIG_KEY, kept)
+            logger.warning("attention-zoo: %s runs variant %r again.", type(model).__name__, kept.get("variant"))
+        check_model_supported(config, model)
+        variant_for(config)
+    elif isinstance(requested, str) and getattr(config, CONFIG_KEY, None):
+        spec = getattr(config, CONFIG_KEY)
+        delattr(config, CONFIG_KEY)
+        per_config(_switched_away, config, spec)  # the entry dies with the config
+        _switched_away[id(config)] = spec
+        logger.warning(
+            "attention-zoo: %s now uses attn_implementation=%r, so its config no longer records the attention-zoo "
+            "variant %r (set_attn_implementation back to the zoo's, or zoo.configure, to run it again).",
+            type(model).__name__, requested, spec.get("variant"),
+        )
 
 
 def _attach_weights(model: PreTrainedModel) -> None:

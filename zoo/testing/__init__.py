@@ -118,13 +118,24 @@ def make_weights(
 
 
 def declares_weights(variant: Variant) -> bool:
-    """True when the variant, at its current parameters, has learned per-layer weights."""
-    return make_weights(variant) is not None
+    """True when the variant, at its current parameters, has learned per-layer weights (parameters; a module holding
+    only buffers, such as performer's redraw counter, has none to train)."""
+    weights = make_weights(variant)
+    return weights is not None and any(True for _ in weights.parameters())
+
+
+DECODER_FAMILIES = {  # rotary decoders with grouped key/value heads
+    "llama": transformers.LlamaConfig,
+    "mistral": transformers.MistralConfig,
+    "qwen2": transformers.Qwen2Config,
+}
+AUTOCAST_TOLERANCE = {torch.bfloat16: 0.05, torch.float16: 0.01}  # relative logits error vs fp32 (autocast)
+APPROXIMATE_AUTOCAST_FACTOR = 3  # approximate variants: bf16 rounding may flip a discrete choice (LSH buckets)
 
 
 def tiny_model_config(family: str, name: str, **params) -> transformers.PretrainedConfig:
-    """A 2-layer, hidden-32 ``bert``, ``modernbert`` or ``llama`` (GQA) config using variant ``name`` with its
-    ``test_params`` and ``params``."""
+    """A 2-layer, hidden-32 ``bert``, ``modernbert``, ``llama``, ``mistral`` or ``qwen2`` (GQA) config using variant
+    ``name`` with its ``test_params`` and ``params``."""
     common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
     if family == "bert":
         config = transformers.BertConfig(**common, attention_probs_dropout_prob=0.0, max_position_embeddings=256)
@@ -133,10 +144,13 @@ def tiny_model_config(family: str, name: str, **params) -> transformers.Pretrain
             **common, attention_dropout=0.0, global_attn_every_n_layers=2, local_attention=16, pad_token_id=0,
             bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
         )
-    elif family == "llama":
-        config = transformers.LlamaConfig(**common, num_key_value_heads=2, attention_dropout=0.0, pad_token_id=0)
+    elif family in DECODER_FAMILIES:
+        config = DECODER_FAMILIES[family](**common, num_key_value_heads=2, attention_dropout=0.0, pad_token_id=0)
     else:
-        raise ValueError(f"tiny_model_config: unknown family {family!r}; use 'bert', 'modernbert' or 'llama'.")
+        raise ValueError(
+            f"tiny_model_config: unknown family {family!r}; use 'bert', 'modernbert' or one of "
+            f"{list(DECODER_FAMILIES)}."
+        )
     return configure(config, name, **{**get_variant_class(name).test_params, **params})
 
 
@@ -147,6 +161,29 @@ def model_inputs(n: int = N, batch: int = BATCH, vocab_size: int = 64) -> tuple[
     mask = torch.ones(batch, n, dtype=torch.long)
     mask[-1, min(REAL_LENGTH, n - 1) :] = 0
     return ids, mask
+
+
+def assert_runs_under_autocast(name: str, family: str, dtype: torch.dtype, **params) -> None:
+    """Forward and backward of a tiny ``family`` model with variant ``name`` under CPU autocast in ``dtype``
+    (padded batch): finite logits and gradients, logits at real tokens within ``AUTOCAST_TOLERANCE[dtype]``
+    (relative; times ``APPROXIMATE_AUTOCAST_FACTOR`` for approximate variants) of the fp32 forward."""
+    torch.manual_seed(0)
+    config = tiny_model_config(family, name, **params)
+    auto = transformers.AutoModelForCausalLM if family in DECODER_FAMILIES else transformers.AutoModelForMaskedLM
+    model = auto.from_config(config).eval()
+    ids, mask = model_inputs()
+    real = mask.bool()
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits[real]
+    with torch.autocast("cpu", dtype=dtype):
+        out = model(input_ids=ids, attention_mask=mask, labels=ids)
+    assert torch.isfinite(out.logits).all(), f"{name} in {family} under {dtype} autocast: non-finite logits"
+    out.loss.backward()
+    for pname, p in model.named_parameters():
+        assert p.grad is None or torch.isfinite(p.grad).all(), f"{name}: non-finite gradient of {pname}"
+    err = relative_error(out.logits.float()[real], ref)
+    tolerance = AUTOCAST_TOLERANCE[dtype] * (1 if get_variant_class(name).exact else APPROXIMATE_AUTOCAST_FACTOR)
+    assert err < tolerance, f"{name} in {family} under {dtype}: relative error {err:.4f} vs fp32"
 
 
 # ------------------------------------------------------------------------------------------------------

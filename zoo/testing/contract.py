@@ -40,6 +40,7 @@ from zoo.testing import (
     assert_matches_reference,
     assert_memory_below_quadratic,
     assert_reloads_identically,
+    assert_runs_under_autocast,
     assert_weights_train_and_reload,
     declares_bounded_cache,
     declares_subquadratic_memory,
@@ -252,6 +253,23 @@ def test_bf16_runs_without_nan(name):
         assert all(x.grad is None or torch.isfinite(x.grad).all() for x in leaves)  # None: an unused input
         ref = run_variant(variant, *(x.float() for x in (q, k, v)), make_call(causal, mask, variant=variant))
         assert relative_error(out.float(), ref) < 0.05
+
+
+def _autocast_cases() -> list:
+    """(variant, family): each causal variant in every rotary GQA decoder family, the others in BERT."""
+    return [
+        pytest.param(name, family, id=f"{name}-{family}")
+        for name in VARIANTS
+        for family in (("llama", "mistral", "qwen2") if _causal(name) else ("bert",))
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(("name", "family"), _autocast_cases())
+def test_runs_under_autocast(name, family, dtype):
+    """Mixed precision as Trainer(bf16=True) runs it: the plug brings q/k/v (fp32 q/k from the rotary embedding,
+    bf16 v) to one dtype; no NaN, and the logits stay within the stated tolerance of fp32."""
+    assert_runs_under_autocast(name, family, dtype)
 
 
 @pytest.mark.parametrize("name", VARIANTS)
