@@ -195,3 +195,22 @@ def test_crop_rolls_back_recent_tokens_only():
     assert layer.get_seq_length() == 10 and layer.pos[0, 0].tolist() == [0, 5, 6, 7, 8, 9]
     with pytest.raises(zoo.cache.CacheRollbackError):
         layer.crop(-4)
+
+
+@pytest.mark.slow
+def test_smollm2_budget_equals_sdpa_when_nothing_is_evicted_and_stays_bounded():
+    pretrained = pytest.importorskip("zoo.data.pretrained")
+    try:
+        pretrained.gguf_folder()
+    except pretrained.PretrainedModelMissing as exc:
+        pytest.skip(str(exc))
+    m, tokenizer = pretrained.smollm2()
+    ids = tokenizer("The pass key is 48213. Remember it. " * 12 + "What is the pass key? The pass key is",
+                    return_tensors="pt").input_ids
+    with torch.no_grad():
+        full = m(ids).logits
+        zoo.configure(m, "budget", tokens=ids.shape[1] + 8, sinks=4, recent=16, policy="tova")
+        torch.testing.assert_close(m(ids).logits, full, atol=0, rtol=0)
+        zoo.configure(m, "budget", tokens=64, sinks=4, recent=16, policy="tova")
+        out = m.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    assert all(layer.keys.shape[-2] == 64 for layer in out.past_key_values.layers)
