@@ -325,7 +325,23 @@ def _grown(like: torch.Tensor, old: torch.Tensor, capacity: int, length: int) ->
     return buffer
 
 
-class RecurrentLayer(_SeenTokens, CacheLayerMixin):
+class _BatchMapped:
+    """Beam reorder and batch selection for layers whose per-row tensors ``_map_state(fn)`` maps (batch first)."""
+
+    def _map_state(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_state(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_state(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_state(lambda x: x[indices])
+
+
+class RecurrentLayer(_BatchMapped, _SeenTokens, CacheLayerMixin):
     """A recurrent state instead of keys: named tensors with the batch first (``state``), which the kernel
     reads and replaces at every call. ``update`` returns the new keys and values only; the kernel continues
     from ``state`` (an empty dict before the first token). A running sum cannot forget tokens: ``crop`` raises.
@@ -367,15 +383,6 @@ class RecurrentLayer(_SeenTokens, CacheLayerMixin):
     def _map_state(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.state = {name: fn(tensor) for name, tensor in self.state.items()}
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_state(lambda x: x.index_select(0, beam_idx.to(x.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_state(lambda x: x.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_state(lambda x: x[indices])
-
     def offload(self) -> None:
         self._map_state(lambda x: x.to("cpu", non_blocking=True))
 
@@ -398,7 +405,7 @@ class PositionsExhaustedError(ValueError):
     """A budgeted cache was asked to go past the model's ``max_position_embeddings``."""
 
 
-class BudgetedLayer(_SeenTokens, DynamicLayer):
+class BudgetedLayer(_BatchMapped, _SeenTokens, DynamicLayer):
     """A bounded cache for a model trained with full attention: per batch row and KV head, the first ``sinks`` real
     tokens of the row, the last ``recent`` tokens and the ``tokens - sinks - recent`` other keys that score highest
     under ``policy`` (:data:`POLICIES`, scores in :mod:`zoo.ops.kept`). Once it holds more than ``tokens + slack`` keys
@@ -536,22 +543,13 @@ class BudgetedLayer(_SeenTokens, DynamicLayer):
         self.key_positions = self.pos[0, 0]
         self.evicted = True
 
-    def _map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def _map_state(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for name in ("keys", "values", "pos", "real", "mass", "queries", "query_real", "row_start"):
             value = getattr(self, name)
             if isinstance(value, torch.Tensor) and value.dim():
                 setattr(self, name, fn(value))
         if self.pos is not None:
             self.key_positions = self.pos[0, 0]
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_rows(lambda x: x.index_select(0, beam_idx.to(x.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_rows(lambda x: x.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_rows(lambda x: x[indices])
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens: always while nothing was evicted, then only the recent ones

@@ -202,6 +202,9 @@ def cmd_memory(args) -> None:
         ]
         for setting in settings[-6:]:
             setting.update(context=context, tokens=args.tokens, new_tokens=args.new_tokens, threads=args.threads)
+    if args.minimal:  # the target rows only: full cache unchunked, budget and window chunked
+        settings = [s for s in settings if (s["contestant"]["family"] == "full") == (s["chunk"] is None)
+                    and "slack" not in s["contestant"]]
     for setting in settings:
         if args.only and setting["contestant"]["family"] not in args.only:
             continue
@@ -318,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=512, help="memory: keys kept per layer")
     parser.add_argument("--new_tokens", type=int, default=16, help="memory: tokens generated")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--minimal", action="store_true", help="memory: full unchunked, budget and window chunked")
     parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
