@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from transformers import QuantizedCache
 
 from zoo.cache import POLICIES, cache_nbytes
@@ -218,6 +219,51 @@ def cmd_memory(args) -> None:
                                                   "ms_per_token", "error")}), flush=True)
 
 
+def cmd_decode(args) -> None:
+    """Per-token decode time on a tiny Llama (hidden 256, 4 heads / 2 KV heads, 2 layers; the shape of
+    ``zoo bench --decode``) after a prompt of each context: budget (``--tokens`` keys) against the window cache
+    keeping as many, in one process, rounds alternating so that load drifts hit every contestant alike."""
+    torch.set_num_threads(args.threads)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=65536)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    settings = [
+        {"name": f"budget tova ({args.tokens} keys)", "family": "budget", "policy": "tova"},
+        {"name": f"budget tova slack 64 ({args.tokens} keys)", "family": "budget", "policy": "tova", "slack": 64},
+        {"name": f"budget knorm ({args.tokens} keys)", "family": "budget", "policy": "knorm"},
+        {"name": f"longformer window + 4 sinks ({args.tokens} keys)", "family": "longformer"},
+    ]
+    times: dict[str, list[float]] = {s["name"]: [] for s in settings}
+    for context in args.contexts:
+        ids = torch.randint(3, 512, (1, context), generator=torch.Generator().manual_seed(0))
+        for _ in range(args.rounds):
+            for setting in settings:
+                contestant = {**setting, "budget": args.tokens / context}
+                kwargs = prepare(model, contestant, context, args.chunk)
+                stamps: list[float] = []
+
+                class Stamps:
+                    def put(self, value, stamps=stamps):
+                        stamps.append(time.perf_counter())
+
+                    def end(self):
+                        pass
+
+                with torch.no_grad():
+                    model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                                   do_sample=False, streamer=Stamps(), **kwargs)
+                gaps = sorted(b - a for a, b in zip(stamps[2:], stamps[3:], strict=False))
+                times[setting["name"]].append(1000 * gaps[len(gaps) // 2])
+        for name, values in times.items():
+            row = {"context": context, "name": name, "ms_per_token": sorted(values)[len(values) // 2],
+                   "rounds": values, "threads": args.threads}
+            with (args.out / "decode.jsonl").open("a") as handle:
+                handle.write(json.dumps(row) + "\n")
+            print(json.dumps(row), flush=True)
+            values.clear()
+
+
 # ------------------------------------------------------------------------------------------------------
 # report
 
@@ -231,7 +277,10 @@ def _accuracy_rows(out: Path) -> list[dict]:
     for row in _read(out / "kvpress.jsonl"):
         if "found" in row:
             rows.append({**row, "family": "kvpress"})
-    return rows
+    unique = {}  # a contestant measured twice (two runs appending) is listed once, its first row
+    for row in rows:
+        unique.setdefault((row["family"], row["name"], row["budget"], row["context"], row.get("chunk")), row)
+    return list(unique.values())
 
 
 def cmd_report(args) -> None:
@@ -288,10 +337,12 @@ def plot(rows: list[dict], path: Path) -> None:
             if r["context"] == context and r.get("per_prompt_bytes") is not None:
                 label = r["name"] if r["family"] != "kvpress" else f"kvpress {r['name']}"
                 groups.setdefault(label, []).append((r["per_prompt_bytes"] / 2**20, sum(r["found"]) / len(r["found"])))
-        for label, points in sorted(groups.items()):
+        colours = plt.get_cmap("tab20")
+        for index, (label, points) in enumerate(sorted(groups.items())):
             points.sort()
-            style = "--" if label.startswith("kvpress") else "-"
-            ax.plot(*zip(*points, strict=True), style, marker="o", label=label)
+            peer = label.startswith("kvpress")
+            ax.plot(*zip(*points, strict=True), "--" if peer else "-", marker="s" if peer else "o",
+                    color=colours(index % 20), label=label)
         ax.set_xscale("log")
         ax.set_xlabel("cache MB per prompt")
         ax.set_ylabel("passkey found")
@@ -308,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure_one(json.loads(argv[1]))))
         return 0
     parser = argparse.ArgumentParser(prog="python -m zoo.bench.kv", description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["prompts", "accuracy", "memory", "report"])
+    parser.add_argument("command", choices=["prompts", "accuracy", "memory", "decode", "report"])
     parser.add_argument("--out", type=Path, default=Path("docs/bench/kv"))
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024])
     parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
@@ -321,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=512, help="memory: keys kept per layer")
     parser.add_argument("--new_tokens", type=int, default=16, help="memory: tokens generated")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="decode: rounds over the contestants")
     parser.add_argument("--minimal", action="store_true", help="memory: full unchunked, budget and window chunked")
     parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args(argv)
@@ -329,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
         print(write_prompts(args.out, args.contexts, args.depths, args.keys))
     elif args.command == "accuracy":
         cmd_accuracy(args)
+    elif args.command == "decode":
+        args.new_tokens = max(args.new_tokens, 8)
+        cmd_decode(args)
     elif args.command == "memory":
         args.chunk = args.chunk or 512
         cmd_memory(args)
