@@ -330,7 +330,7 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     contexts = sorted({r["context"] for r in rows})
-    fig, axes = plt.subplots(1, len(contexts), figsize=(6.5 * len(contexts), 4.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(contexts), figsize=(6.5 * len(contexts) + 3, 4.8), squeeze=False)
     for ax, context in zip(axes[0], contexts, strict=True):
         groups: dict[str, list] = {}
         for r in rows:
@@ -348,7 +348,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_ylabel("passkey found")
         ax.set_title(f"SmolLM2-135M, {context}-token passkey")
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="lower right")
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
