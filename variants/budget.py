@@ -1,0 +1,87 @@
+"""``budget``: bounded decoding memory for a model trained with full attention, no retraining. Forwards without a
+cache (training, scoring, ``use_cache=False``) run the ``inner`` variant unchanged; decoding keeps, per batch row and
+KV head, the first ``sinks`` real tokens, the last ``recent`` ones and the best-scoring others up to ``tokens`` keys
+in all (:class:`zoo.cache.BudgetedLayer`), evicting after every call once it holds more than ``tokens + slack``, also
+between the chunks of ``generate(prefill_chunk_size=...)``. Scores come from this kernel's own call (the queries, the
+kept keys, the log-sum-exp; :mod:`zoo.ops.kept`), never from an n x n matrix.
+
+``zoo.configure(model, "budget", inner="sdpa", tokens=512, sinks=4, recent=64, policy="tova")``; ``tokens`` may be a
+list (one value per layer), or use ``hybrid`` to mix full, window and budgeted layers. While nothing was evicted the
+inner variant runs the call (so with ``tokens`` >= the context it is ``inner`` exactly); after that each KV head's
+own keys (:func:`zoo.ops.kept.kept_attention`; H2O always, it needs every query's attention mass).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zoo.cache import POLICIES, BudgetedLayer
+from zoo.ops.kept import kept_attention
+from zoo.registry import get_variant_class
+from zoo.variant import AttentionCall, Param, Variant, VariantParameterError
+
+
+class BudgetAttention(Variant):
+    name = "budget"
+    exact = True  # without a cache: the inner variant's attention; what eviction changes is decoding (README)
+    time_complexity = "O(n²) prefill (the inner variant's); O(tokens) per decoded token"
+    memory_complexity = "O(n)"
+    params = {
+        "inner": Param("sdpa", str, "the exact full-attention variant that runs forwards without eviction"),
+        "tokens": Param(512, int, "keys kept per row and KV head, sinks and recent included", min=1, per_layer=True),
+        "sinks": Param(4, int, "first real tokens of each row never evicted", min=0),
+        "recent": Param(64, int, "most recent tokens never evicted", min=0),
+        "policy": Param("tova", str, "how the other kept keys are chosen", choices=POLICIES),
+        "slack": Param(0, int, "evict once more than tokens + slack keys are held (0: after every call)", min=0),
+        "window": Param(32, int, "recent queries snapkv and expected_attention score from", min=1),
+    }
+    test_params = {"tokens": 48, "sinks": 2, "recent": 8, "policy": "h2o"}
+
+    def check_config(self) -> None:
+        if self.inner in ("budget", "hybrid"):
+            raise VariantParameterError(f"attention-zoo variant 'budget': parameter 'inner' = {self.inner!r} is "
+                                        "invalid; use an exact full-attention variant such as 'sdpa' or 'dense'.")
+        try:
+            inner = get_variant_class(self.inner)()
+        except Exception as exc:
+            message = f"attention-zoo variant 'budget': parameter 'inner' = {self.inner!r}: {exc}"
+            raise VariantParameterError(message) from exc
+        if not inner.exact or inner.pattern(AttentionCall(causal=True, scaling=1.0), 1, 1) is not None:
+            raise VariantParameterError(
+                f"attention-zoo variant 'budget': parameter 'inner' = {self.inner!r} is not an exact full-attention "
+                "variant (sdpa, dense): eviction scores assume every earlier key was visible. For windows per layer "
+                "combine 'budget' and 'longformer' in a 'hybrid'."
+            )
+        self.inner_variant = inner
+        for tokens in self.config["tokens"] if isinstance(self.tokens, list) else [self.tokens]:
+            if tokens < self.sinks + self.recent:
+                raise VariantParameterError(
+                    f"attention-zoo variant 'budget': parameter 'tokens' = {tokens} is invalid; it counts the sinks "
+                    f"and the recent keys, so it must be >= sinks + recent = {self.sinks + self.recent}."
+                )
+
+    def cache_layer(self, layer_idx: int, config: Any) -> BudgetedLayer:
+        return BudgetedLayer(
+            self.per_layer("tokens", layer_idx), self.sinks, self.recent, self.policy, self.slack, self.window,
+            max_positions=getattr(config, "max_position_embeddings", None),
+        )
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        layer = call.cache
+        if not isinstance(layer, BudgetedLayer):  # no cache, or one that keeps every key
+            return self.inner_variant.attend(q, k, v, call)
+        mass = None
+        if layer.evicted or layer.accumulates:
+            real = layer.real[:, 0, -q.shape[-2] :]
+            query_pos = torch.arange(layer.seen - q.shape[-2], layer.seen, device=q.device)
+            out, mass = kept_attention(q, layer.keys, layer.values, layer.pos, layer.real, query_pos, call.scaling,
+                                       query_real=real, want_mass=layer.accumulates)
+        else:
+            out = self.inner_variant.attend(q, k, v, call)
+        layer.observe(q, mass, call.scaling, call.row_start)
+        return out
+
+    def flops(self, n: int, heads: int, head_dim: int, causal: bool = False) -> float:
+        return self.inner_variant.flops(n, heads, head_dim, causal)

@@ -1,0 +1,125 @@
+"""Attention over per-(row, KV head) key sets and the scores that choose which keys a budgeted cache keeps
+(:class:`zoo.cache.BudgetedLayer`).
+
+Layout: queries ``q`` (batch, heads, Q, d); kept ``keys`` / ``values`` (batch, kv_heads, K, d), the same count K in
+every (row, KV head) but different tokens; ``key_pos`` (batch, kv_heads, K) their token positions, ``key_real`` the
+ones that are real tokens (not padding). Query head h reads KV head h // (heads / kv_heads) (GQA). Nothing here builds
+an n x n tensor: queries go in chunks of at most :data:`CHUNK_ELEMENTS` scores.
+
+Every score is (batch, kv_heads, K) float32, higher = keep; definitions in README ("Bounding a pretrained model's
+memory") and in each function.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK_ELEMENTS = 1 << 24  # scores per query chunk (64 MB in fp32)
+SNAPKV_POOL = 7  # SnapKV's pooling kernel over neighbouring keys
+
+
+def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    batch, heads, length, dim = q.shape
+    return q.reshape(batch, kv_heads, heads // kv_heads, length, dim)
+
+
+def _probabilities(qg, keys, key_pos, key_real, query_pos, scaling):
+    """Softmax over the kept keys a query may see (real, at a position <= its own): (B, Hk, G, c, K) fp32; a query
+    that sees no key gets zeros."""
+    logits = torch.matmul(qg.float(), keys.float()[:, :, None].transpose(-1, -2)) * scaling
+    allowed = key_real[:, :, None, None, :] & (key_pos[:, :, None, None, :] <= query_pos.to(key_pos)[:, None])
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    return torch.exp(logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))
+
+
+def kept_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_pos: torch.Tensor,
+    key_real: torch.Tensor,
+    query_pos: torch.Tensor,
+    scaling: float,
+    query_real: torch.Tensor | None = None,
+    want_mass: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal softmax attention of ``q`` (queries at ``query_pos`` (Q,)) over the kept keys of its KV head: the output
+    (B, H, Q, d_v) and, with ``want_mass``, each key's attention mass summed over the call's real queries
+    (``query_real`` (B, Q)) and the query heads of its group (H2O's column sums, chunk by chunk from the
+    log-sum-exp), (B, Hk, K) fp32."""
+    batch, heads, length, _ = q.shape
+    kv_heads, kept = keys.shape[1], keys.shape[2]
+    qg = _grouped(q, kv_heads)
+    chunk = max(1, min(length, CHUNK_ELEMENTS // max(1, batch * heads * kept)))
+    mass = torch.zeros(batch, kv_heads, kept, device=q.device) if want_mass else None
+    outs = []
+    for start in range(0, length, chunk):
+        stop = min(length, start + chunk)
+        probs = _probabilities(qg[:, :, :, start:stop], keys, key_pos, key_real, query_pos[start:stop], scaling)
+        outs.append(torch.matmul(probs.to(values.dtype), values[:, :, None]))
+        if mass is not None:
+            if query_real is not None:
+                probs = probs * query_real[:, None, None, start:stop, None].to(probs)
+            mass += probs.sum(dim=(2, 3))
+    out = torch.cat(outs, dim=3) if len(outs) > 1 else outs[0]
+    return out.reshape(batch, heads, length, values.shape[-1]), mass
+
+
+def window_attention(queries, query_pos, query_real, keys, key_pos, key_real, scaling) -> torch.Tensor:
+    """The attention of the recorded recent queries over the kept keys, summed over the real queries and averaged
+    over the query heads of each KV group: (B, Hk, K). One query: TOVA's score; the last w prompt queries: SnapKV's
+    votes (before pooling)."""
+    qg = _grouped(queries, keys.shape[1])
+    probs = _probabilities(qg, keys, key_pos, key_real, query_pos, scaling)
+    probs = probs * query_real[:, None, None, :, None].to(probs)
+    return probs.sum(dim=3).mean(dim=2)
+
+
+def tova_scores(queries, query_pos, query_real, keys, key_pos, key_real, scaling) -> torch.Tensor:
+    """TOVA (Oren et al. 2024): the current (last) query's attention, averaged over the heads of the KV group."""
+    return window_attention(queries[..., -1:, :], query_pos[-1:], query_real[:, -1:], keys, key_pos, key_real,
+                            scaling)
+
+
+def snapkv_scores(queries, query_pos, query_real, keys, key_pos, key_real, scaling) -> torch.Tensor:
+    """SnapKV (Li et al. 2024): the observation window's (last w queries') attention summed over the window, averaged
+    over the group's heads, max-pooled over :data:`SNAPKV_POOL` neighbouring kept keys (keeps clusters whole)."""
+    votes = window_attention(queries, query_pos, query_real, keys, key_pos, key_real, scaling)
+    batch, kv_heads, kept = votes.shape
+    pooled = F.max_pool1d(votes.reshape(batch * kv_heads, 1, kept), SNAPKV_POOL, stride=1, padding=SNAPKV_POOL // 2)
+    return pooled.reshape(batch, kv_heads, kept)
+
+
+def expected_attention_scores(queries, query_real, keys, values, key_real, scaling) -> torch.Tensor:
+    """Expected Attention (Devoto et al. 2025), closed form: with future queries q ~ N(mu, Sigma) estimated from the
+    recorded recent queries (per query head), E[exp(s q.k)] = exp(s mu.k + s^2 k^T Sigma k / 2); normalised over the
+    kept keys (an expected softmax), averaged over the group's heads, times the value norm ||v|| (the key's share of
+    the output). Simplification: the recent queries carry their own rotary phase (the paper averages the rotation
+    over the coming positions)."""
+    weights = query_real.to(torch.float32)[:, None, :, None]  # (B, 1, W, 1)
+    count = weights.sum(dim=2, keepdim=True).clamp(min=1.0)
+    qf = queries.float()
+    mean = (qf * weights).sum(dim=2, keepdim=True) / count  # (B, H, 1, d)
+    centred = (qf - mean) * weights
+    cov = centred.transpose(-1, -2) @ centred / count  # (B, H, d, d)
+    kv_heads = keys.shape[1]
+    mean_g = _grouped(mean, kv_heads)[:, :, :, 0]  # (B, Hk, G, d)
+    cov_g = cov.reshape(cov.shape[0], kv_heads, -1, *cov.shape[-2:])  # (B, Hk, G, d, d)
+    kf = keys.float()
+    linear = torch.einsum("bhgd,bhkd->bhgk", mean_g, kf) * scaling
+    quadratic = torch.einsum("bhkd,bhgde,bhke->bhgk", kf, cov_g, kf) * (scaling * scaling / 2)
+    logits = (linear + quadratic).masked_fill(~key_real[:, :, None, :], float("-inf"))
+    expected = torch.softmax(logits, dim=-1).nan_to_num(0.0).mean(dim=2)
+    return expected * values.float().norm(dim=-1)
+
+
+def knorm_scores(keys: torch.Tensor) -> torch.Tensor:
+    """KNorm (Devoto et al. 2024): keys of low L2 norm draw the most attention; keep them (score = -||k||)."""
+    return -keys.float().norm(dim=-1)
+
+
+def recency_scores(key_pos: torch.Tensor) -> torch.Tensor:
+    """StreamingLLM (Xiao et al. 2023): nothing but the sinks and the most recent keys (score = position)."""
+    return key_pos.to(torch.float32)
