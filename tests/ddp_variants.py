@@ -1,7 +1,7 @@
-"""Two DDP steps of a tiny BERT (a tiny Llama for causal-only variants) with every built-in variant, in one launch (``tests/test_recipes.py`` starts it
-with ``recipes/accelerate/multi_cpu.yaml``). DDP is set up as the fine-tune sets it up
-(:func:`zoo.training.finetune.find_unused_parameters`), so a variant that leaves a parameter without a gradient and
-does not declare it fails here at its second step."""
+"""Two DDP steps of a tiny BERT (a tiny Llama for causal-only variants) with every built-in variant, in one launch
+(``tests/test_recipes.py`` starts it with ``recipes/accelerate/multi_cpu.yaml``). DDP is set up as the fine-tune
+sets it up (:func:`zoo.training.finetune.find_unused_parameters`), so a variant that leaves a parameter without a
+gradient and does not declare it fails here at its second step."""
 
 import os
 import sys
