@@ -55,7 +55,7 @@ class BudgetAttention(Variant):
                 "combine 'budget' and 'longformer' in a 'hybrid'."
             )
         self.inner_variant = inner
-        for tokens in self.config["tokens"] if isinstance(self.tokens, list) else [self.tokens]:
+        for tokens in self.tokens if isinstance(self.tokens, list) else [self.tokens]:
             if tokens < self.sinks + self.recent:
                 raise VariantParameterError(
                     f"attention-zoo variant 'budget': parameter 'tokens' = {tokens} is invalid; it counts the sinks "
