@@ -48,6 +48,10 @@ class FinetuneConfig:
     output_dir: str = field(metadata={"help": "where the model, results.json and logs go"})
     task_options: dict | str | None = field(default=None, metadata={"help": "options of the task builder"})
     eval_split: str = field(default="test", metadata={"help": "split of the final evaluation (results.json)"})
+    evaluate_validation: bool = field(
+        default=False,
+        metadata={"help": "also evaluate the validation split at the end (results.json: validation_metrics)"},
+    )
     max_train_examples: int | None = field(
         default=None, metadata={"help": "seeded subset of train (CPU runs; LM tasks: chunks)"}
     )

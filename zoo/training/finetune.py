@@ -221,6 +221,7 @@ def train(cfg: FinetuneConfig, plan: ResumePlan, started: float) -> dict | None:
     )
     trainer.train(resume_from_checkpoint=plan.checkpoint)
     metrics = trainer.evaluate(examples[cfg.eval_split], metric_key_prefix="eval")
+    validation = evaluate_validation(cfg, kind, trainer, examples)
     eval_tokens = sum(len(ids) for ids in examples[cfg.eval_split]["input_ids"])
     speeds = {
         "train_tokens_per_second": float(throughput.tokens_per_second),
@@ -238,10 +239,27 @@ def train(cfg: FinetuneConfig, plan: ResumePlan, started: float) -> dict | None:
         outcome = kind.outcome(cfg, out, computer, metrics, examples, label_names)
         speeds["wall_time_seconds"] = time.perf_counter() - started
         results = results_record(cfg, model, examples, outcome, speeds, launch, base_model)
+        if validation is not None:
+            results["validation_metrics"] = validation
         (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
         publish(cfg, out)
     close_process_group(trainer)
     return results
+
+
+def evaluate_validation(cfg: FinetuneConfig, kind: TaskKind, trainer, examples) -> dict | None:
+    """With ``evaluate_validation``: the validation split's metrics (``validation_accuracy``, ``validation_loss``,
+    ...), with a metric computer of its own (the evaluation split's keeps its state for results.json). A comparison
+    chooses learning rates on them, never on the evaluation (test) split. None without the key or the split."""
+    if not cfg.evaluate_validation or "validation" not in examples or cfg.eval_split == "validation":
+        return None
+    computer = trainer.compute_metrics
+    trainer.compute_metrics = kind.metrics(cfg, examples["validation"])
+    try:
+        metrics = trainer.evaluate(examples["validation"], metric_key_prefix="validation")
+    finally:
+        trainer.compute_metrics = computer
+    return {key: float(value) for key, value in metrics.items() if isinstance(value, int | float)}
 
 
 def close_process_group(trainer: Trainer) -> None:

@@ -321,17 +321,17 @@ def report_tables(rows: list[dict]) -> list[str]:
 
     done = [r for r in rows if r["eval_accuracy"] is not None]
     best = max(done, key=lambda r: r["eval_accuracy"], default=None)
-    header = ["variant", "params", "seq len", "accuracy", "receptive field", "within / beyond it",
+    header = ["variant", "params", "lr", "seq len", "accuracy", "receptive field", "within / beyond it",
               "decoding state / seq (bytes)", "train tok/s", "wall s", "status", "notes"]  # fmt: skip
     table = [
-        [r["name"], params_text(r["variant_params"]), r["max_length"],
+        [r["name"], params_text(r["variant_params"]), rate_text(r), r["max_length"],
          accuracy_cell(r["eval_accuracy"], r["eval_accuracy_std"], r["seeds_ok"]), field_text(r), split_text(r),
          fixed(r.get("decoding_state_bytes"), 0, grouping=True),
          fixed(r["train_tokens_per_second"], 0, grouping=True), fixed(r["wall_time_seconds"], 0), r["status"],
          "; ".join(trust_notes(r, best)) or "–"]
         for r in rows
     ]  # fmt: skip
-    lines = markdown_table(header, table, align="llrrrrrrrll")
+    lines = markdown_table(header, table, align="llrrrrrrrrll")
     lines += ["", "Receptive field: how far back the last layer sees through the stacked layers (the sum of each "
               "layer's reach; unbounded with a full-attention or recurrent layer); within / beyond: accuracy over the "
               "distance buckets inside it and past it (a bucket that starts at the field counts as past it). Notes "
@@ -351,6 +351,15 @@ def report_tables(rows: list[dict]) -> list[str]:
         header = ["variant", *(f"{b['bucket']} (n={b['answers']})" for b in buckets)]
         lines += markdown_table(header, table, align="l" + "r" * len(buckets))
     return lines
+
+
+def rate_text(row: dict) -> str:
+    """The entry's learning rate: ``0.003``; chosen by a sweep: ``0.003 (swept)`` (see the sweeps section)."""
+    rate = row.get("learning_rate")
+    if rate is None:
+        return "–"
+    note = row.get("learning_rate_note")
+    return f"{rate:g} ({note})" if note else f"{rate:g}"
 
 
 def params_text(params: dict) -> str:
