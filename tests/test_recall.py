@@ -215,7 +215,7 @@ def test_report_table_names_hybrid_layers_and_drops_empty_buckets():
         "accuracy_by_distance": buckets,
     }
     text = "\n".join(recall.report_tables([row]))
-    assert "| mix | longformer(window=16), linear | 64 | 0.500 ± 0.100 | – | – | 12,544 |" in text
+    assert "| mix | longformer(window=16), linear | – | 64 | 0.500 ± 0.100 | – | – | 12,544 |" in text
     assert "[2,4) (n=9)" in text and "[1,2)" not in text
 
 
