@@ -196,3 +196,24 @@ def test_sweep_ties_fall_to_the_smaller_rate_and_perplexity_is_lower_is_better(t
     assert record["metric"] == "validation_perplexity" and record["chosen"] == 3e-3 and record["edge"]
     missing = compare.sweep_record(entry, {1e-3: compare.Outcome("ok", results={}), 3e-3: same})
     assert [r["status"] for r in missing["rates"]] == ["no validation metric", "ok"] and missing["chosen"] == 3e-3
+
+
+def test_finetune_evaluates_the_validation_split_with_its_own_metrics(tmp_path, monkeypatch):
+    """The tiny MQAR fine-tune (one process, 2 steps) with evaluate_validation: results.json's validation_metrics
+    come from the validation split (8 examples, 2 answers each), the test metrics from the test split (16)."""
+    from zoo.training import finetune
+    from zoo.training.config import parse_config
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("ATTENTION_ZOO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    smoke = yaml.safe_load((REPO / "recipes/configs/compare_recall_smoke.yaml").read_text())["overrides"]
+    args = [TASK, "--output_dir", str(tmp_path / "run"), "--evaluate_validation", "true"]
+    for key, value in smoke.items():
+        args += [f"--{key}", json.dumps(value) if isinstance(value, dict) else str(value)]
+    results = finetune.run(parse_config(args))
+    validation = results["validation_metrics"]
+    assert validation["validation_answers"] == 8 * 2 and results["answers"] == 16 * 2
+    assert 0 <= validation["validation_accuracy"] <= 1 and math.isfinite(validation["validation_loss"])
+    assert results["metrics"]["eval_accuracy"] == pytest.approx(
+        sum(b["accuracy"] * b["answers"] for b in results["accuracy_by_distance"] if b["answers"]) / 32)
