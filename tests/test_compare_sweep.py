@@ -152,13 +152,20 @@ def test_sweep_chooses_on_validation_reuses_the_first_seed_and_reports_the_sweep
     assert sum(1 for line in csv[1:] if line.startswith("mqar,recall,linear,")) == 5
 
 
-def test_no_rate_chosen_when_every_rate_fails(tmp_path, launches, monkeypatch):
-    monkeypatch.setitem(globals(), "FAILS", FAILS | {("dead", rate, 0) for rate in GRID})
+def test_no_rate_chosen_when_every_rate_fails_or_diverges(tmp_path, launches, monkeypatch):
+    monkeypatch.setitem(globals(), "FAILS", FAILS | {("dead", 1e-2, 0)})
+    diverged = {("dead", rate, 0): (0.9, math.inf, 0.9) for rate in GRID[:2]}
+    monkeypatch.setitem(globals(), "SCORES", {**SCORES, **diverged})
     out = tmp_path / "out"
-    summary = compare.compare(write_config(tmp_path, [{"name": "dead", "variant": "linear"}],
-                                           learning_rates=GRID), str(out))  # fmt: skip
-    assert len(launches) == 3 and summary[0]["status"] == "failed" and summary[0]["seeds"] == 3  # the 3 rates
-    assert "No rate chosen: every rate failed or diverged." in (out / "results.md").read_text()
+    with pytest.raises(SystemExit, match="1 run"):
+        compare.main([write_config(tmp_path, [{"name": "dead", "variant": "linear"}], learning_rates=GRID),
+                      "--output_dir", str(out)])  # fmt: skip
+    assert launches == [("dead", rate, 0) for rate in GRID]  # no seeds 1 and 2: no rate to run them at
+    (entry,) = json.loads((out / "results.json").read_text())["summary"]
+    assert entry["status"] == "failed" and entry["seeds_ok"] == 0 and entry["eval_accuracy"] is None
+    report = (out / "results.md").read_text()
+    assert "No rate chosen: every rate failed or diverged." in report
+    assert "**dead** (failed): learning-rate sweep: every rate failed or diverged" in report
 
 
 def test_resume_reuses_finished_runs_with_the_planned_config(tmp_path, launches):

@@ -407,7 +407,8 @@ def summarize(rows: list[dict], sweeps: list[dict] | None = None) -> list[dict]:
     edges = {(s["task"], s["name"]): s["edge"] for s in sweeps or []}
     summary = []
     for group in groups.values():
-        done = [r for r in group if r["status"] == "ok"]
+        unchosen = all(r.get("sweep") == "no rate chosen" for r in group)  # every swept rate failed or diverged
+        done = [] if unchosen else [r for r in group if r["status"] == "ok"]
         first = group[0]
         entry = {k: first[k] for k in ("task", "kind", "name", "variant", "variant_params", "max_length")}
         entry["seeds_ok"], entry["seeds"] = len(done), len(group)
@@ -419,6 +420,9 @@ def summarize(rows: list[dict], sweeps: list[dict] | None = None) -> list[dict]:
         entry["status"] = "ok" if failed is None else failed["status"]
         notes = dict.fromkeys(r["error"] for r in group if r["error"])
         entry["error"] = failed["error"] if failed else "; ".join(notes)
+        if unchosen:
+            entry["status"] = "failed"
+            entry["error"] = "learning-rate sweep: every rate failed or diverged (see Learning-rate sweeps)"
         for key in METRIC_COLUMNS + SPEED_COLUMNS:
             values = [r[key] for r in done if r[key] is not None]
             entry[key] = statistics.fmean(values) if values else None
@@ -623,16 +627,25 @@ def compare(config_path: str, output_dir: str | None = None, overwrite: bool = F
         status = f"{outcome.status} (reused)" if reused else outcome.status
         progress.write(f"{run.task:>10} / {run.name:<20} seed {run.seed}{rate}: {status}  {detail}")
         progress.update(1)
-        write_report(cfg, rows, out, config_path, (time.perf_counter() - started) / 60, sweeps)  # partial report
         return outcome, row
 
+    def partial_report() -> None:
+        write_report(cfg, rows, out, config_path, (time.perf_counter() - started) / 60, sweeps)
+
     for entry in entries:
-        results = [execute(run) for run in entry.first_runs()]
         if entry.learning_rates is None:
+            for run in entry.first_runs():
+                execute(run)
+                partial_report()
             continue
-        sweep = sweep_record(entry, dict(zip(entry.learning_rates, (o for o, _ in results), strict=True)))
-        sweeps.append(sweep)
-        for rate, (_, row) in zip(entry.learning_rates, results, strict=True):
+        outcomes, swept = {}, []
+        sweeps.append(sweep_record(entry, outcomes))  # every rate pending: the report lists the sweep as it goes
+        for rate, run in zip(entry.learning_rates, entry.first_runs(), strict=True):
+            outcomes[rate], row = execute(run)
+            swept.append((rate, row))
+            sweeps[-1] = sweep = sweep_record(entry, outcomes)
+            partial_report()
+        for rate, row in swept:
             row["sweep"] = "no rate chosen" if sweep["chosen"] is None else \
                 "chosen" if rate == sweep["chosen"] else "not chosen"
         if sweep["chosen"] is None:
@@ -641,6 +654,7 @@ def compare(config_path: str, output_dir: str | None = None, overwrite: bool = F
         for seed in entry.seeds[1:]:  # the first seed's run at the chosen rate is that seed's run
             _, row = execute(entry.run(seed, sweep["chosen"]))
             row["sweep"] = "chosen"
+            partial_report()
     progress.close()
     summary = write_report(cfg, rows, out, config_path, (time.perf_counter() - started) / 60, sweeps)
     print(f"report: {out / 'results.md'}")
