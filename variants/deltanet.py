@@ -46,6 +46,7 @@ from zoo.ops.delta_rule import (
     delta_rule_flops,
     delta_rule_recurrence,
 )
+from zoo.ops.fla_backend import model_dtype_inputs
 from zoo.ops.gated_linear import OutputNorm, normalized
 from zoo.ops.short_conv import ShortConv, gate_source
 from zoo.variant import AttentionCall, LayerWeights, Param, Variant
@@ -123,6 +124,7 @@ class DeltaNetAttention(Variant):
         state = call.cache.state if isinstance(call.cache, RecurrentLayer) else None
         dtype = v.dtype
         q, k, v, beta, log_decay = self.prepare(q, k, v, call, state)
+        q, k, v = model_dtype_inputs(dtype, q, k, v)  # bf16/fp16 on CUDA with fla installed: fla's kernels
         out = carried(delta_rule, state, STATE, q, k, v, beta, log_decay, q.shape[-1] ** -0.5, self.chunk_size)
         return normalized(call.weights, out).to(dtype)
 

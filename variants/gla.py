@@ -30,6 +30,7 @@ from torch import nn
 
 from zoo.cache import RecurrentLayer
 from zoo.ops.delta_rule import carried, compute_dtype
+from zoo.ops.fla_backend import model_dtype_inputs
 from zoo.ops.gated_linear import (
     LowRankDecay,
     Mamba2Decay,
@@ -119,6 +120,7 @@ class GLAAttention(Variant):
         state = call.cache.state if isinstance(call.cache, RecurrentLayer) else None
         dtype = v.dtype
         q, k, v, log_decay = self.prepare(q, k, v, call, state)
+        q, k, v = model_dtype_inputs(dtype, q, k, v)  # bf16/fp16 on CUDA with fla installed: fla's kernels
         out = carried(gated_linear_attention, state, STATE, q, k, v, log_decay, q.shape[-1] ** -0.5, self.chunk_size)
         return normalized(call.weights, out).to(dtype)
 
