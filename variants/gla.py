@@ -17,7 +17,9 @@ then RMS-normalized per head with a learned gain (``output_norm``, default True:
 :class:`zoo.ops.gated_linear.OutputNorm`). The paper's output gate is left out. Gates read the attention
 module's input hidden states (outside a model: the keys, heads merged). Padded tokens write nothing (k, v and the
 convolution inputs zeroed, α = 1). Kernel: :func:`zoo.ops.gated_linear.gated_linear_attention` (chunkwise, every
-exponent ≤ 0); :meth:`reference` is the recurrence. The host's rotary embedding reaches q and k before the kernel.
+exponent ≤ 0; bf16/fp16 on CUDA with ``attention-zoo[fla]``: fla's ``chunk_gla`` / ``chunk_simple_gla``,
+:mod:`zoo.ops.fla_backend`); :meth:`reference` is the recurrence. The host's rotary embedding reaches q and k
+before the kernel.
 
 Decoding (:class:`zoo.cache.RecurrentLayer`): S (``gla``, (B, H, d_k, d_v) fp32) and the convolution inputs; O(d²)
 per token, bytes independent of the context; no rollback (``crop`` and assisted decoding are refused).
