@@ -11,10 +11,12 @@ kernels against the zoo's chunked kernels on the same device, forward and backwa
 multiple), an initial state, d_k != d_v, for the delta rule, the gated delta rule and gated linear attention with a
 per-channel and a per-head decay; fp32 stays on the zoo's kernels (identical results); and the variants in a small
 bf16 Llama, forward + backward and prefill-then-decode, run on fla and agree with the zoo's kernels.
-Tolerances (relative RMS error, as fla's own tests measure it): 0.03 for outputs and final states, 0.08 for
-gradients -- fla keeps its chunk intermediates (W, U, per-chunk states) in bf16 where the zoo keeps fp32; fla's own
-tests hold fp16 (3 more mantissa bits) to 0.005-0.008 against fp32 references. A convention mismatch (state
-transposed, decay cumulated twice, scale, β) gives errors of order 1.
+Tolerances (relative RMS error, as fla's own tests measure it): 0.03 for outputs and final states, 0.08 for the
+gradients of q, k, v and the initial state, 0.15 for those of β, log α and of the model's weights (sums over every
+token) -- fla keeps its chunk intermediates (W, U, per-chunk states) in bf16 where the zoo keeps fp32; fla's own
+tests hold fp16 (3 more mantissa bits than bf16) to 0.005-0.008, and β's and log α's gradients to 0.02. A
+convention mismatch (state transposed, decay cumulated twice, scale, β) gives errors of order 1. A failure prints
+every error, so one GPU run calibrates them.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from zoo.ops.gated_linear import gated_linear_attention, gated_linear_recurrence
 HAS_FLA = torch.cuda.is_available() and importlib.util.find_spec("fla") is not None  # find_spec imports nothing
 cuda_fla = pytest.mark.skipif(not HAS_FLA, reason="needs CUDA and flash-linear-attention (attention-zoo[fla])")
 CASES = ["delta_rule", "gated_delta_rule", "gla", "simple_gla"]  # the names fla_backend.KERNELS dispatches on
-OUT_TOL, GRAD_TOL = 0.03, 0.08
+OUT_TOL, GRAD_TOL, GATE_GRAD_TOL = 0.03, 0.08, 0.15
 
 
 def inputs(case: str, n: int = 100, batch: int = 2, heads: int = 3, d_k: int = 32, d_v: int = 48,
@@ -98,10 +100,17 @@ def ratio(want: torch.Tensor, got: torch.Tensor) -> float:
     return ((want - got).square().mean().sqrt() / want.square().mean().sqrt().clamp_min(1e-12)).item()
 
 
-def assert_close_ratio(want: dict, got: dict, out_tol: float, grad_tol: float) -> None:
+def assert_close_ratio(want: dict, got: dict, out_tol: float, grad_tol: float, gate_tol: float | None = None) -> None:
+    """Gradients are the entries named d...; those of β and log α (dbeta, dlog_decay) are held to ``gate_tol``."""
     errors = {name: ratio(want[name], got[name]) for name in want}
-    bad = {name: e for name, e in errors.items() if e > (grad_tol if name.startswith("d") else out_tol)}
-    assert not bad, f"relative RMS errors over {out_tol} (outputs) / {grad_tol} (gradients): {bad}; all: {errors}"
+
+    def tolerance(name: str) -> float:
+        if name in ("dbeta", "dlog_decay") and gate_tol is not None:
+            return gate_tol
+        return grad_tol if name.startswith("d") else out_tol
+
+    bad = {name: e for name, e in errors.items() if e > tolerance(name)}
+    assert not bad, f"relative RMS errors over tolerance: {bad}; all: {errors}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -328,7 +337,7 @@ def test_cuda_fla_equals_the_chunked_kernels_bf16(monkeypatch, case):
     on_zoo_kernels(monkeypatch)
     assert fla_backend.fla_kernel(case, args["q"], args["k"], args["v"]) is None
     want = forward_backward(case, args)
-    assert_close_ratio(want, got, OUT_TOL, GRAD_TOL)
+    assert_close_ratio(want, got, OUT_TOL, GRAD_TOL, GATE_GRAD_TOL)
 
 
 @cuda_fla
@@ -385,4 +394,4 @@ def test_cuda_variants_run_on_fla_in_a_model(monkeypatch, name, params):
     calls.clear()
     want = logits_and_grads()
     assert not calls
-    assert_close_ratio(want, got, OUT_TOL, GRAD_TOL)
+    assert_close_ratio(want, got, OUT_TOL, GATE_GRAD_TOL)
