@@ -217,11 +217,18 @@ def test_the_environment_switch(monkeypatch, value, on):
     assert fla_backend.applies(fake(), fake(), fake()) is on
 
 
-def test_a_missing_fla_is_none_and_remembered(monkeypatch):
+def test_a_missing_fla_is_none_and_remembered(monkeypatch, caplog):
     monkeypatch.setattr(fla_backend, "_loaded", {})
     monkeypatch.setitem(sys.modules, "fla.ops.delta_rule", None)  # import_module raises ModuleNotFoundError
     assert fla_backend.load("delta_rule") is None
-    assert fla_backend._loaded == {"delta_rule": None}
+    assert fla_backend._loaded == {"delta_rule": None} and "does not import" not in caplog.text
+
+
+def test_an_fla_that_fails_to_import_is_said_once(monkeypatch, caplog):
+    monkeypatch.setattr(fla_backend, "_loaded", {})
+    monkeypatch.setitem(sys.modules, "fla.ops.gla", Tripwire("fla.ops.gla", []))  # chunk_gla: AttributeError
+    assert fla_backend.load("gla") is None and fla_backend.load("gla") is None
+    assert caplog.text.count("fla.ops.gla.chunk_gla does not import (AttributeError") == 1
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ def enabled() -> bool:
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether a call on these tensors may run on fla: CUDA, bf16/fp16 in one dtype, head dims fla takes, switch on.
     Looks at the tensors only: imports nothing."""
-    return (q.is_cuda and q.dtype in DTYPES and q.dtype == k.dtype == v.dtype and enabled()
+    return (q.is_cuda and q.dtype in DTYPES and q.dtype == k.dtype == v.dtype and q.shape[-2] > 0 and enabled()
             and all(d <= MAX_HEAD_DIM and d % 2 == 0 for d in (k.shape[-1], v.shape[-1])))
 
 
@@ -66,11 +66,10 @@ def load(name: str) -> Callable | None:
         module, function = KERNELS[name]
         try:
             _loaded[name] = getattr(importlib.import_module(module), function)
-        except ModuleNotFoundError:
-            _loaded[name] = None
-        except Exception as error:  # an installed fla that fails to import: the zoo's kernels, said once
-            logger.warning("flash-linear-attention: %s.%s does not import (%s: %s); the zoo's kernels run instead",
-                           module, function, type(error).__name__, error)
+        except Exception as error:  # no fla: silently the zoo's kernels; an fla that fails to import: said once
+            if not (isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] == "fla"):
+                logger.warning("flash-linear-attention: %s.%s does not import (%s: %s); the zoo's kernels run "
+                               "instead", module, function, type(error).__name__, error)
             _loaded[name] = None
     return _loaded[name]
 
