@@ -22,9 +22,10 @@ Per head a d_k x d_v state is corrected toward each new value instead of summed 
   the keys the state stores; GPT-2's absolute positions reach q/k through the hidden states instead.
 
 Kernel: the chunkwise WY / UT form (:func:`zoo.ops.delta_rule.delta_rule`), O(n·C·d + n·d²) time, no n x n tensor,
-fp32 states; :meth:`reference` is the token-by-token recurrence. Padded tokens write nothing (β = 0, their k, v
-and convolution inputs zeroed). Without learned weights on disk (a checkpoint saved before) they get the init
-above, seeded per layer, with one log line.
+fp32 states (bf16/fp16 on CUDA with ``attention-zoo[fla]``: fla's ``chunk_delta_rule`` /
+``chunk_gated_delta_rule``, :mod:`zoo.ops.fla_backend`); :meth:`reference` is the token-by-token recurrence.
+Padded tokens write nothing (β = 0, their k, v and convolution inputs zeroed). Without learned weights on disk (a
+checkpoint saved before) they get the init above, seeded per layer, with one log line.
 
 Decoding (:class:`zoo.cache.RecurrentLayer`): the state S (``delta``, (B, H, d_k, d_v) fp32) and the last
 ``short_conv − 1`` inputs of q, k and v (``conv_q``/``conv_k``/``conv_v``) per row: O(d²) per token and bytes
@@ -46,6 +47,7 @@ from zoo.ops.delta_rule import (
     delta_rule_flops,
     delta_rule_recurrence,
 )
+from zoo.ops.fla_backend import model_dtype_inputs
 from zoo.ops.gated_linear import OutputNorm, normalized
 from zoo.ops.short_conv import ShortConv, gate_source
 from zoo.variant import AttentionCall, LayerWeights, Param, Variant
@@ -123,6 +125,7 @@ class DeltaNetAttention(Variant):
         state = call.cache.state if isinstance(call.cache, RecurrentLayer) else None
         dtype = v.dtype
         q, k, v, beta, log_decay = self.prepare(q, k, v, call, state)
+        q, k, v = model_dtype_inputs(dtype, q, k, v)  # bf16/fp16 on CUDA with fla installed: fla's kernels
         out = carried(delta_rule, state, STATE, q, k, v, beta, log_decay, q.shape[-1] ** -0.5, self.chunk_size)
         return normalized(call.weights, out).to(dtype)
 

@@ -17,7 +17,9 @@ then RMS-normalized per head with a learned gain (``output_norm``, default True:
 :class:`zoo.ops.gated_linear.OutputNorm`). The paper's output gate is left out. Gates read the attention
 module's input hidden states (outside a model: the keys, heads merged). Padded tokens write nothing (k, v and the
 convolution inputs zeroed, α = 1). Kernel: :func:`zoo.ops.gated_linear.gated_linear_attention` (chunkwise, every
-exponent ≤ 0); :meth:`reference` is the recurrence. The host's rotary embedding reaches q and k before the kernel.
+exponent ≤ 0; bf16/fp16 on CUDA with ``attention-zoo[fla]``: fla's ``chunk_gla`` / ``chunk_simple_gla``,
+:mod:`zoo.ops.fla_backend`); :meth:`reference` is the recurrence. The host's rotary embedding reaches q and k
+before the kernel.
 
 Decoding (:class:`zoo.cache.RecurrentLayer`): S (``gla``, (B, H, d_k, d_v) fp32) and the convolution inputs; O(d²)
 per token, bytes independent of the context; no rollback (``crop`` and assisted decoding are refused).
@@ -30,6 +32,7 @@ from torch import nn
 
 from zoo.cache import RecurrentLayer
 from zoo.ops.delta_rule import carried, compute_dtype
+from zoo.ops.fla_backend import model_dtype_inputs
 from zoo.ops.gated_linear import (
     LowRankDecay,
     Mamba2Decay,
@@ -119,6 +122,7 @@ class GLAAttention(Variant):
         state = call.cache.state if isinstance(call.cache, RecurrentLayer) else None
         dtype = v.dtype
         q, k, v, log_decay = self.prepare(q, k, v, call, state)
+        q, k, v = model_dtype_inputs(dtype, q, k, v)  # bf16/fp16 on CUDA with fla installed: fla's kernels
         out = carried(gated_linear_attention, state, STATE, q, k, v, log_decay, q.shape[-1] ** -0.5, self.chunk_size)
         return normalized(call.weights, out).to(dtype)
 

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from zoo.ops.fla_backend import fla_delta_rule, fla_kernel
+
 DEFAULT_CHUNK = 64
 
 
@@ -56,7 +58,10 @@ def delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunkwise (gated) delta rule. q, k (B, H, n, d_k); v (B, H, n, d_v); beta (B, H, n); log_decay (B, H, n)
     (log α ≤ 0) or None; ``initial_state`` (B, H, d_k, d_v) or None (zeros). Returns (out (B, H, n, d_v) in v's
-    dtype, final state (B, H, d_k, d_v) in the compute dtype)."""
+    dtype, final state (B, H, d_k, d_v) in the compute dtype). bf16/fp16 CUDA calls run on fla's kernels when it is
+    installed (:mod:`zoo.ops.fla_backend`; the same recurrence, an fp32 final state)."""
+    if (kernel := fla_kernel("delta_rule" if log_decay is None else "gated_delta_rule", q, k, v)) is not None:
+        return fla_delta_rule(kernel, q, k, v, beta, log_decay, scale, initial_state)
     dtype, out_dtype = compute_dtype(v), v.dtype
     with torch.autocast(device_type=v.device.type, enabled=False):
         q, k, v, beta = (x.to(dtype) for x in (q, k, v, beta))

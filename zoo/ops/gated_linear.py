@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.ops.delta_rule import compute_dtype
+from zoo.ops.fla_backend import fla_gated_linear, fla_kernel
 
 CHANNEL_CHUNK = 16  # per-channel decay: the chunk products are C x C x d_k
 SCALAR_CHUNK = 64
@@ -43,9 +44,13 @@ def gated_linear_attention(
     initial_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k (B, H, n, d_k); v (B, H, n, d_v); log_decay (log α ≤ 0) (B, H, n, d_k) per channel or (B, H, n) per
-    head; ``initial_state`` (B, H, d_k, d_v) or None. Returns (out (B, H, n, d_v) in v's dtype, final state)."""
-    dtype, out_dtype = compute_dtype(v), v.dtype
+    head; ``initial_state`` (B, H, d_k, d_v) or None. Returns (out (B, H, n, d_v) in v's dtype, final state).
+    bf16/fp16 CUDA calls run on fla's ``chunk_gla`` / ``chunk_simple_gla`` when it is installed
+    (:mod:`zoo.ops.fla_backend`)."""
     per_channel = log_decay.dim() == 4
+    if (kernel := fla_kernel("gla" if per_channel else "simple_gla", q, k, v)) is not None:
+        return fla_gated_linear(kernel, q, k, v, log_decay, scale, initial_state)
+    dtype, out_dtype = compute_dtype(v), v.dtype
     with torch.autocast(device_type=v.device.type, enabled=False):
         q, k, v, g = (x.to(dtype) for x in (q, k, v, log_decay))
         batch, heads, n, d_k = k.shape
