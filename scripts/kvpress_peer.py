@@ -15,12 +15,14 @@ Each press compresses the prompt once, at prefill (kvpress's forward hooks, afte
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
 
 import torch
 from kvpress import (
+    DecodingPress,
     ExpectedAttentionPress,
     KnormPress,
     ObservedAttentionPress,
@@ -34,7 +36,9 @@ NEW_TOKENS = 8
 QUESTION = "What is the pass key? The pass key is"
 
 
-def presses(ratio: float) -> dict:
+def presses(ratio: float, kept: int) -> dict:
+    """The presses at ``compression_ratio=ratio``; DecodingPress (which never compresses the prefill) evicts down to
+    ``kept`` keys at every decoding step, scored by its base press, after that step's attention."""
     return {
         "StreamingLLM": StreamingLLMPress(compression_ratio=ratio, n_sink=4),
         "KNorm": KnormPress(compression_ratio=ratio),
@@ -43,6 +47,10 @@ def presses(ratio: float) -> dict:
         "TOVA": TOVAPress(compression_ratio=ratio),
         "ExpectedAttention": ExpectedAttentionPress(compression_ratio=ratio),
         "ObservedAttention": ObservedAttentionPress(compression_ratio=ratio),
+        "DecodingPress (KNorm)": DecodingPress(base_press=KnormPress(), compression_interval=1, target_size=kept,
+                                               hidden_states_buffer_size=0),
+        "DecodingPress (TOVA)": DecodingPress(base_press=TOVAPress(), compression_interval=1, target_size=kept,
+                                              hidden_states_buffer_size=1),
     }
 
 
@@ -54,7 +62,8 @@ def cache_bytes(cache) -> int:
 def run(model, ids: torch.Tensor, press, question_ids: torch.Tensor | None) -> tuple[torch.Tensor, int]:
     cache = DynamicCache()
     context = ids if question_ids is None else ids[:, : ids.shape[1] - question_ids.shape[1]]
-    if press is None:
+    decoding = isinstance(press, DecodingPress)  # active during the decoding steps too
+    if press is None or decoding:
         out = model(context, past_key_values=cache, use_cache=True)
     else:
         with press(model):
@@ -68,10 +77,12 @@ def run(model, ids: torch.Tensor, press, question_ids: torch.Tensor | None) -> t
                     position_ids=positions)
         seen += length
     tokens = [out.logits[:, -1].argmax(-1)]
-    for step in range(NEW_TOKENS - 1):
-        positions = torch.full((ids.shape[0], 1), seen + step)
-        out = model(tokens[-1][:, None], past_key_values=cache, use_cache=True, position_ids=positions)
-        tokens.append(out.logits[:, -1].argmax(-1))
+    with press(model) if decoding else contextlib.nullcontext():
+        for step in range(NEW_TOKENS - 1):
+            positions = torch.full((ids.shape[0], 1), seen + step)
+            extra = {"cache_position": positions[0]} if decoding else {}  # DecodingPress tells decoding from it
+            out = model(tokens[-1][:, None], past_key_values=cache, use_cache=True, position_ids=positions, **extra)
+            tokens.append(out.logits[:, -1].argmax(-1))
     return torch.stack(tokens, dim=1), cache_bytes(cache)
 
 
@@ -83,6 +94,7 @@ def main() -> None:
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.1])
     parser.add_argument("--only", nargs="+", help="press names to run")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=0, help="prompts per forward (0: all of a context at once)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -95,14 +107,21 @@ def main() -> None:
         ids = torch.tensor([row["ids"] for row in prompts])
         jobs = [("no press", None, 1.0)]
         for budget in args.budgets:
-            jobs += [(name, press, budget) for name, press in presses(1 - budget).items()]
+            jobs += [(name, press, budget) for name, press in presses(1 - budget, int(budget * context)).items()]
         for name, press, budget in jobs:
             if args.only and name not in args.only:
                 continue
             model = models["eager" if name == "ObservedAttention" else "sdpa"]
             start = time.perf_counter()
+            size = args.batch or len(prompts)
             try:
-                new, nbytes = run(model, ids, press, question if name.endswith("(no question)") else None)
+                new, nbytes = [], 0
+                for first in range(0, len(prompts), size):
+                    tokens, part = run(model, ids[first : first + size], press,
+                                       question if name.endswith("(no question)") else None)
+                    new.append(tokens)
+                    nbytes += part
+                new = torch.cat(new)
             except Exception as exc:  # recorded, the run goes on
                 row = {"name": name, "budget": budget, "context": context, "error": f"{type(exc).__name__}: {exc}"}
             else:
@@ -110,11 +129,11 @@ def main() -> None:
                 row = {"name": name, "budget": budget, "context": context, "per_prompt_bytes": nbytes // len(prompts),
                        "found": [str(r["key"]) in a for r, a in zip(prompts, answers, strict=True)],
                        "depths": [r["depth"] for r in prompts], "answers": answers,
-                       "seconds": time.perf_counter() - start}
+                       "seconds": time.perf_counter() - start, "threads": args.threads}
             with (args.out / "kvpress.jsonl").open("a") as handle:
                 handle.write(json.dumps(row) + "\n")
-            print(json.dumps({k: row.get(k) for k in ("name", "budget", "context", "found", "error")}), flush=True)
-
+            print(json.dumps({k: row.get(k) for k in ("name", "budget", "context", "found", "seconds", "error")}),
+                  flush=True)
 
 if __name__ == "__main__":
     main()
