@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from zoo.bench import kv
-from zoo.cache import POLICIES
+from zoo.cache import POLICIES, cache_nbytes
 
 SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=64, attention_dropout=0.0, pad_token_id=0, eos_token_id=None,
@@ -35,7 +35,13 @@ def test_shared_prefill_decodes_what_each_contestant_decodes():
     model = tiny()
     shared = kv.shared_generate(model, ids, jobs)
     for job, (sequences, cache) in zip(jobs, shared, strict=True):
-        assert torch.equal(sequences, own_generate(model, ids, job)), job
+        kwargs = kv.prepare(model, dict(job), ids.shape[1])
+        with torch.no_grad():
+            own = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=kv.NEW_TOKENS,
+                                 min_new_tokens=kv.NEW_TOKENS, do_sample=False, pad_token_id=0,
+                                 return_dict_in_generate=True, **kwargs)
+        assert torch.equal(sequences, own.sequences), job
+        assert cache_nbytes(cache) == cache_nbytes(own.past_key_values), job  # the same state kept
         if job["family"] == "budget":  # evicted to the budget, as its own run
             assert {layer.keys.shape[-2] for layer in cache.layers} == {int(job["budget"] * 200)}
 

@@ -178,7 +178,9 @@ def _job_cache(model, source, job: dict, context: int):
             own = {name: getattr(layer, name) for name in ("tokens", "sinks", "recent", "policy", "slack", "window")}
             layer.__dict__.update(vars(held))
             layer.__dict__.update(own)
-            if layer.queries is not None:
+            if not layer.records_queries:  # what the recording prefill kept for the others
+                layer.queries = layer.query_real = None
+            elif layer.queries is not None:
                 layer.queries, layer.query_real = layer.queries[..., -layer.window :, :], \
                     layer.query_real[:, -layer.window :]
             if layer.keys.shape[-2] > layer.tokens + layer.slack:
