@@ -368,7 +368,7 @@ def measure_one(setting: dict) -> dict:
     layers = model.model.layers
     handles = [layer.register_forward_hook(sampler.hook) for layer in layers]
     if setting.get("trim"):
-        handles += [layer.register_forward_hook(lambda *_: trim(0)) for layer in layers]
+        handles += [layer.register_forward_hook(lambda *_: [trim(0)] and None) for layer in layers]
     with torch.no_grad():
         if setting.get("warmup", True):
             warm = torch.tensor([build_prompt(tokenizer, 256, 0.5, 12345)])
@@ -564,40 +564,100 @@ def _accuracy_rows(out: Path) -> list[dict]:
     return list(unique.values())
 
 
+def _kept(r: dict) -> str:
+    if r["family"] == "full" or (r["family"] == "kvpress" and r["name"] == "no press"):
+        return "100%"
+    return f"{r['nbits']}-bit" if r["family"] == "quantized" else f"{r['budget']:.0%}"
+
+
+def _mb(value: float | None) -> str:
+    return "–" if value is None else f"{value / 2**20:.0f}"
+
+
+def _summary(rows: list[dict]) -> list[str]:
+    """Per context and kept fraction: the zoo's best policy, kvpress's best press, the window, QuantizedCache."""
+    lines = ["## Summary: found / prompts, best of each side per kept fraction", "",
+             "| context | kept | zoo `budget` best | kvpress best | `longformer` + 4 sinks | all zoo policies | "
+             "all kvpress presses |", "|---|---|---|---|---|---|---|"]
+
+    def best(group: list[dict]) -> str:
+        if not group:
+            return "–"
+        top = max(sum(r["found"]) for r in group)
+        names = sorted(r["name"].removeprefix("budget ") for r in group if sum(r["found"]) == top)
+        return f"{top}/{len(group[0]['found'])} ({', '.join(names)})"
+
+    def each(group: list[dict]) -> str:
+        return ", ".join(f"{r['name'].removeprefix('budget ')} {sum(r['found'])}" for r in
+                         sorted(group, key=lambda r: r["name"])) or "–"
+
+    for context in sorted({r["context"] for r in rows}):
+        here = [r for r in rows if r["context"] == context]
+        for budget in sorted({r["budget"] for r in here if r["family"] in ("budget", "kvpress", "longformer")
+                              and r["budget"] < 1}, reverse=True):
+            at = [r for r in here if r["budget"] == budget]
+            zoo = [r for r in at if r["family"] == "budget"]
+            press = [r for r in at if r["family"] == "kvpress"]
+            window = [r for r in at if r["family"] == "longformer"]
+            lines.append(f"| {context} | {budget:.0%} | {best(zoo)} | {best(press)} | "
+                         f"{best(window).split(' (')[0] if window else '–'} | {each(zoo)} | {each(press)} |")
+    return lines + [""]
+
+
 def cmd_report(args) -> None:
     rows = _accuracy_rows(args.out)
     lines = ["# Passkey retrieval with a bounded KV cache: SmolLM2-135M-Instruct", "",
-             f"Command lines: see docs/bench/kv/README.md. {NEW_TOKENS} greedy tokens; found = the key in them.", ""]
+             f"Commands, load and what each number means: docs/bench/kv/README.md. {NEW_TOKENS} greedy tokens; "
+             "found = the key in them. Cache MB per prompt as held after the last token (QuantizedCache: its "
+             "packed data, scales and zero points and the fp32 residual tokens, measured).", ""]
+    lines += _summary(rows)
     for context in sorted({r["context"] for r in rows}):
         here = [r for r in rows if r["context"] == context]
         depths = sorted({d for r in here for d in r["depths"]})
-        lines += [f"## {context} tokens ({len(here[0]['found'])} prompts: depths "
+        counts = sorted({len(r["found"]) for r in here})
+        lines += [f"## {context} tokens ({'/'.join(map(str, counts))} prompts: depths "
                   f"{', '.join(f'{d:g}' for d in depths)})", "",
                   "| contestant | kept | cache MB / prompt | found | " + " | ".join(f"d={d:g}" for d in depths) + " |",
                   "|---|---|---|---|" + "---|" * len(depths)]
-        for r in sorted(here, key=lambda r: (-r["budget"], r["family"] != "full", r["family"], r["name"])):
+        for r in sorted(here, key=lambda r: (-r["budget"] if r["family"] != "quantized" else -2,
+                                             r["family"] != "full", r["family"], r["name"])):
             per_depth = []
             for d in depths:
                 hits = [f for f, dd in zip(r["found"], r["depths"], strict=True) if dd == d]
-                per_depth.append(f"{sum(hits)}/{len(hits)}")
-            kept = "100%" if r["family"] == "full" else (f"{r['nbits']}-bit" if r["family"] == "quantized"
-                                                          else f"{r['budget']:.0%}")
+                per_depth.append(f"{sum(hits)}/{len(hits)}" if hits else "–")
             mb = r.get("per_prompt_bytes")
-            lines.append(f"| {r['name']} | {kept} | {mb / 2**20:.1f} | {sum(r['found'])}/{len(r['found'])} | "
-                         + " | ".join(per_depth) + " |" if mb is not None else
-                         f"| {r['name']} | {kept} | – | {sum(r['found'])}/{len(r['found'])} | " + " | ".join(per_depth)
-                         + " |")
+            name = r["name"] if r["family"] != "kvpress" else f"kvpress {r['name']}"
+            lines.append(f"| {name} | {_kept(r)} | {'–' if mb is None else f'{mb / 2**20:.1f}'} | "
+                         f"{sum(r['found'])}/{len(r['found'])} | " + " | ".join(per_depth) + " |")
         lines.append("")
-    memory = [r for r in _read(args.out / "memory.jsonl") if "error" not in r]
+    memory = [r for r in _read(args.out / "memory.jsonl") if "error" not in r and r.get("start_rss_bytes")]
     if memory:
-        lines += ["## Memory and decode time (one fresh process per row; batch 1, key at depth 0.5)", "",
-                  "| contestant | context | chunked prefill | keys kept | cache MB | peak RSS MB (model alone) | "
-                  "ms / token |", "|---|---|---|---|---|---|---|"]
+        lines += ["## Peak RSS (one fresh process per row; batch 1, key at depth 0.5, 16 new tokens)", "",
+                  "MB. *loaded*: after `from_pretrained` (the weights are a memory map of the safetensors file, "
+                  "mostly not yet read); *before*: after a 256-token warm-up `generate` (every weight page read: "
+                  "the model's real footprint), the baseline; *above*: the measured call's peak minus *before*.", "",
+                  "| contestant | context | chunked prefill | allocator | keys kept | cache MB | loaded | before | "
+                  "peak prefill | peak decode | peak above before | ms / token |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in memory:
-            ms = f"{r['ms_per_token']:.1f}" if r.get("ms_per_token") else "–"
+            peak = max(r["prefill_peak_rss_bytes"] or 0, r["decode_peak_rss_bytes"] or 0)
+            allocator = ", ".join(r.get("env") or []) + (" malloc_trim per layer" if r.get("trim") else "")
+            ms = f"{r['ms_per_token']:.0f}" if r.get("ms_per_token") else "–"
             lines.append(f"| {r['contestant']['name']} | {r['context']} | {r['chunk'] or 'no'} | "
-                         f"{r['tokens_kept'] or 'all'} | {r['cache_bytes'] / 2**20:.1f} | "
-                         f"{r['peak_rss_bytes'] / 2**20:.0f} ({r['model_rss_bytes'] / 2**20:.0f}) | {ms} |")
+                         f"{allocator or 'glibc default'} | {r['tokens_kept'] or 'all'} | "
+                         f"{r['cache_bytes'] / 2**20:.1f} | {_mb(r['model_rss_bytes'])} | "
+                         f"{_mb(r['start_rss_bytes'])} | {_mb(r['prefill_peak_rss_bytes'])} | "
+                         f"{_mb(r['decode_peak_rss_bytes'])} | {_mb(peak - r['start_rss_bytes'])} | {ms} |")
+        lines.append("")
+    decode = [r for r in _read(args.out / "decode.jsonl") if r.get("model") == "smollm2-135m"]
+    if decode:
+        lines += ["## Decode time per token, SmolLM2-135M (one process, contestants in interleaved rounds)", "",
+                  "| context | contestant | cache MB | ms / token (median) | tokens timed | vs window | threads | "
+                  "load (1/5/15 min) |", "|---|---|---|---|---|---|---|---|"]
+        for r in decode:
+            lines.append(f"| {r['context']} | {r['name']} | {r['cache_bytes'] / 2**20:.1f} | "
+                         f"{r['ms_per_token']:.1f} | {r['tokens_timed']} | {r['vs_window']:.2f}x | {r['threads']} | "
+                         f"{' / '.join(r['load'] or [])} |")
         lines.append("")
     (args.out / "kv.md").write_text("\n".join(lines))
     plot(rows, args.out / "kv.png")
