@@ -335,6 +335,26 @@ class RssSampler:
         self.thread.join()
 
 
+class TimeStamps:
+    """A ``generate`` streamer: the time of every ``put`` (the prompt, then each new token), ``on_put(count)`` after
+    each. :meth:`gaps_ms`: the decoding steps' times (the prompt and the prefill's token skipped)."""
+
+    def __init__(self, on_put=None) -> None:
+        self.stamps: list[float] = []
+        self.on_put = on_put
+
+    def put(self, value) -> None:
+        self.stamps.append(time.perf_counter())
+        if self.on_put is not None:
+            self.on_put(len(self.stamps))
+
+    def end(self) -> None:
+        pass
+
+    def gaps_ms(self) -> list[float]:
+        return [1000 * (b - a) for a, b in zip(self.stamps[2:], self.stamps[3:], strict=False)]
+
+
 def measure_one(setting: dict) -> dict:
     """One fresh process: load SmolLM2, configure the contestant, one warm-up ``generate`` on a short prompt (one-off
     allocations: kernels' code pages, thread pools, oneDNN), then the measured ``generate``. RSS: after loading,
@@ -352,19 +372,14 @@ def measure_one(setting: dict) -> dict:
     contestant = dict(setting["contestant"])
     contestant["budget"] = setting["tokens"] / context if contestant["family"] in ("budget", "longformer") else 1.0
     kwargs = prepare(model, contestant, context, setting.get("chunk"))
-    stamps: list[float] = []
     sampler = RssSampler()
-
-    class Stamps:  # a streamer: the time of every emitted token, and the RSS peak of the prefill
-        def put(self, value):
-            stamps.append(time.perf_counter())
-            if len(stamps) == 2:
-                phases["prefill"] = sampler.mark()
-
-        def end(self):
-            pass
-
     phases: dict[str, int] = {}
+
+    def after_put(count: int) -> None:  # the second put: the prefill's token
+        if count == 2:
+            phases["prefill"] = sampler.mark()
+
+    stamps = TimeStamps(after_put)
     layers = model.model.layers
     handles = [layer.register_forward_hook(sampler.hook) for layer in layers]
     if setting.get("trim"):
@@ -380,19 +395,19 @@ def measure_one(setting: dict) -> dict:
         sampler.mark()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=setting["new_tokens"],
                              do_sample=False, pad_token_id=tokenizer.eos_token_id, return_dict_in_generate=True,
-                             streamer=Stamps(), **kwargs)
+                             streamer=stamps, **kwargs)
     phases["decode"] = sampler.mark()
     sampler.close()
     for handle in handles:
         handle.remove()
-    gaps = sorted(b - a for a, b in zip(stamps[2:], stamps[3:], strict=False))  # after the prompt and the first token
+    gaps = sorted(stamps.gaps_ms())
     trace = sampler.trace
     return {**setting, "tokens_kept": contestant.get("tokens"), "cache_bytes": cache_nbytes(out.past_key_values),
             "peak_rss_bytes": max_rss_bytes(), "model_rss_bytes": loaded_rss, "load_peak_rss_bytes": loaded_peak,
             "start_rss_bytes": start_rss, "prefill_peak_rss_bytes": phases.get("prefill"),
             "decode_peak_rss_bytes": phases.get("decode"), "end_rss_bytes": rss_now(),
             "layer_rss_mb": trace[:: max(1, len(trace) // 200)],
-            "ms_per_token": 1000 * gaps[len(gaps) // 2] if gaps else None}
+            "ms_per_token": gaps[len(gaps) // 2] if gaps else None}
 
 
 MEMORY_ROWS = {  # name -> (contestant, chunked prefill)
@@ -450,20 +465,12 @@ def cmd_decode(args) -> None:
             for setting in settings:
                 contestant = {**setting, "budget": args.tokens / context}
                 kwargs = prepare(model, contestant, context, args.chunk)
-                stamps: list[float] = []
-
-                class Stamps:
-                    def put(self, value, stamps=stamps):
-                        stamps.append(time.perf_counter())
-
-                    def end(self):
-                        pass
-
+                stamps = TimeStamps()
                 with torch.no_grad():
                     model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                                   do_sample=False, streamer=Stamps(), **kwargs)
-                gaps = sorted(b - a for a, b in zip(stamps[2:], stamps[3:], strict=False))
-                times[setting["name"]].append(1000 * gaps[len(gaps) // 2])
+                                   do_sample=False, streamer=stamps, **kwargs)
+                gaps = sorted(stamps.gaps_ms())
+                times[setting["name"]].append(gaps[len(gaps) // 2])
         for name, values in times.items():
             row = {"context": context, "name": name, "ms_per_token": sorted(values)[len(values) // 2],
                    "rounds": values, "threads": args.threads}
@@ -513,23 +520,15 @@ def cmd_decode_smollm2(args) -> None:
                 contestant = {**setting, "budget": args.tokens / context}
                 kwargs = prepare(model, contestant, context, None)
                 kwargs.pop("cache", None)
-                stamps: list[float] = []
-
-                class Stamps:
-                    def put(self, value, stamps=stamps):
-                        stamps.append(time.perf_counter())
-
-                    def end(self):
-                        pass
-
+                stamps = TimeStamps()
                 sequence = here["sequence"]
                 with torch.no_grad():
                     out = model.generate(sequence, attention_mask=torch.ones_like(sequence),
                                          max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                                          do_sample=False, pad_token_id=tokenizer.eos_token_id, cache=here["cache"],
-                                         streamer=Stamps(), return_dict_in_generate=True, **kwargs)
+                                         streamer=stamps, return_dict_in_generate=True, **kwargs)
                 here["sequence"] = out.sequences
-                here["times"] += [1000 * (b - a) for a, b in zip(stamps[2:], stamps[3:], strict=False)]
+                here["times"] += stamps.gaps_ms()
         reference = state[settings[2]["name"]]["times"]
         for setting in settings:
             here = state[setting["name"]]
