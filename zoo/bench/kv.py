@@ -635,15 +635,16 @@ def cmd_report(args) -> None:
                   "MB. *loaded*: after `from_pretrained` (the weights are a memory map of the safetensors file, "
                   "mostly not yet read); *before*: after a 256-token warm-up `generate` (every weight page read: "
                   "the model's real footprint), the baseline; *above*: the measured call's peak minus *before*.", "",
-                  "| contestant | context | chunked prefill | allocator | keys kept | cache MB | loaded | before | "
-                  "peak prefill | peak decode | peak above before | ms / token |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| contestant | context | chunked prefill | zoo code | allocator | keys kept | cache MB | loaded | "
+                  "before | peak prefill | peak decode | peak above before | ms / token |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in memory:
             peak = max(r["prefill_peak_rss_bytes"] or 0, r["decode_peak_rss_bytes"] or 0)
             allocator = ", ".join(r.get("env") or []) + (" malloc_trim per layer" if r.get("trim") else "")
             ms = f"{r['ms_per_token']:.0f}" if r.get("ms_per_token") else "–"
             lines.append(f"| {r['contestant']['name']} | {r['context']} | {r['chunk'] or 'no'} | "
-                         f"{allocator or 'glibc default'} | {r['tokens_kept'] or 'all'} | "
+                         f"{r.get('code', 'this commit')} | {allocator or 'glibc default'} | "
+                         f"{r['tokens_kept'] or 'all'} | "
                          f"{r['cache_bytes'] / 2**20:.1f} | {_mb(r['model_rss_bytes'])} | "
                          f"{_mb(r['start_rss_bytes'])} | {_mb(r['prefill_peak_rss_bytes'])} | "
                          f"{_mb(r['decode_peak_rss_bytes'])} | {_mb(peak - r['start_rss_bytes'])} | {ms} |")
