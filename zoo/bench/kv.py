@@ -671,25 +671,32 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     contexts = sorted({r["context"] for r in rows})
+
+    def label_of(r: dict) -> str:
+        return r["name"] if r["family"] != "kvpress" else f"kvpress {r['name']}"
+
+    labels = sorted({label_of(r) for r in rows if r.get("per_prompt_bytes") is not None})
+    colours = plt.get_cmap("tab20")
     fig, axes = plt.subplots(1, len(contexts), figsize=(6.5 * len(contexts) + 3, 4.8), squeeze=False)
     for ax, context in zip(axes[0], contexts, strict=True):
         groups: dict[str, list] = {}
         for r in rows:
             if r["context"] == context and r.get("per_prompt_bytes") is not None:
-                label = r["name"] if r["family"] != "kvpress" else f"kvpress {r['name']}"
-                groups.setdefault(label, []).append((r["per_prompt_bytes"] / 2**20, sum(r["found"]) / len(r["found"])))
-        colours = plt.get_cmap("tab20")
-        for index, (label, points) in enumerate(sorted(groups.items())):
+                groups.setdefault(label_of(r), []).append((r["per_prompt_bytes"] / 2**20,
+                                                           sum(r["found"]) / len(r["found"])))
+        for label, points in sorted(groups.items()):  # one colour per contestant in every panel
             points.sort()
             peer = label.startswith("kvpress")
             ax.plot(*zip(*points, strict=True), "--" if peer else "-", marker="s" if peer else "o",
-                    color=colours(index % 20), label=label)
+                    color=colours(labels.index(label) % 20), label=label)
         ax.set_xscale("log")
         ax.set_xlabel("cache MB per prompt")
         ax.set_ylabel("passkey found")
         ax.set_title(f"SmolLM2-135M, {context}-token passkey")
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    handles = {h.get_label(): h for ax in axes[0] for h in ax.get_lines()}  # every contestant, once
+    axes[0][-1].legend([handles[label] for label in labels], labels, fontsize=7, loc="upper left",
+                       bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
