@@ -5,6 +5,8 @@ head, chunked prefill, left-padded batches, beam search, hybrid per-layer budget
 import pytest
 import torch
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from transformers.cache_utils import DynamicLayer
 
 import zoo
@@ -108,6 +110,39 @@ def test_kept_attention_matches_a_dense_reference_per_kv_head():
     allowed = real[:, :, None, None, :] & (pos[:, :, None, None, :] <= query_pos[:, None])
     probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
     torch.testing.assert_close(mass, probs.sum(dim=(2, 3)), atol=1e-5, rtol=1e-4)  # H2O's column sums
+
+
+class _NewScoreBuffers(TorchDispatchMode):
+    """Ops that produce a new tensor (not one of their inputs' storages) of at least ``numel`` elements."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.ops = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        inputs = {t.untyped_storage().data_ptr() for t in tensors}
+        out = func(*args, **(kwargs or {}))
+        self.ops += [str(func) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.numel() >= self.numel
+                     and t.untyped_storage().data_ptr() not in inputs]
+        return out
+
+
+def test_kept_attention_allocates_one_score_buffer_when_decoding():
+    """Decoding (no autograd) builds one (batch, kv heads, group, queries, keys) fp32 buffer per query chunk and
+    works in it in place (it ran four out-of-place copies: in a chunked prefill, at every layer and chunk, and
+    glibc kept the freed copies in its heap, in the process's peak RSS)."""
+    gen = torch.Generator().manual_seed(0)
+    q, keys, values = torch.randn(1, 4, 64, 16, generator=gen), *torch.randn(2, 1, 2, 256, 16, generator=gen)
+    pos, real = torch.arange(256).expand(1, 2, 256), torch.ones(1, 2, 256, dtype=torch.bool)
+    with torch.no_grad(), _NewScoreBuffers(4 * 64 * 256) as probe:
+        out, _ = kept_attention(q, keys, values, pos, real, torch.arange(192, 256), 0.25)
+    assert len(probe.ops) == 1, probe.ops
+    leaves = [x.clone().requires_grad_() for x in (q, keys, values)]  # autograd: out of place, same values
+    again, _ = kept_attention(*leaves, pos, real, torch.arange(192, 256), 0.25)
+    torch.testing.assert_close(again, out, atol=0, rtol=0)
+    again.sum().backward()
+    assert all(leaf.grad is not None and torch.isfinite(leaf.grad).all() for leaf in leaves)
 
 
 @pytest.mark.parametrize("policy", ["tova", "h2o", "snapkv", "expected_attention", "knorm"])

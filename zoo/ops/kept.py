@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-CHUNK_ELEMENTS = 1 << 24  # scores per query chunk (64 MB in fp32)
+CHUNK_ELEMENTS = 1 << 18  # scores per query chunk (1 MB in fp32): a chunked prefill runs kept_attention at every
+# layer and chunk, and score buffers of tens of MB, freed and made again around the cache's own allocations, stayed
+# in glibc's heap (docs/bench/kv/README.md, peak RSS); buffers this small are reused instead
 SNAPKV_POOL = 7  # SnapKV's pooling kernel over neighbouring keys
 
 
@@ -27,11 +29,17 @@ def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
 def _probabilities(qg, keys, key_pos, key_real, query_pos, scaling):
     """Softmax over the kept keys a query may see (real, at a position <= its own): (B, Hk, G, c, K) fp32; a query
     that sees no key gets zeros."""
-    logits = torch.matmul(qg.float(), keys.float()[:, :, None].transpose(-1, -2)) * scaling
-    allowed = key_real[:, :, None, None, :] & (key_pos[:, :, None, None, :] <= query_pos.to(key_pos)[:, None])
-    logits = logits.masked_fill(~allowed, float("-inf"))
+    logits = torch.matmul(qg.float(), keys.float()[:, :, None].transpose(-1, -2))
+    hidden = ~(key_real[:, :, None, None, :] & (key_pos[:, :, None, None, :] <= query_pos.to(key_pos)[:, None]))
+    if torch.is_grad_enabled() and (qg.requires_grad or keys.requires_grad):  # autograd: out of place
+        logits = (logits * scaling).masked_fill(hidden, float("-inf"))
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        return torch.exp(logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))
+    # decoding (no autograd): in place, one (B, Hk, G, c, K) fp32 buffer live instead of four (a chunked prefill
+    # runs this at every layer and chunk; freed buffers of that size stay in the allocator's heap, in peak RSS)
+    logits.mul_(scaling).masked_fill_(hidden, float("-inf"))
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    return torch.exp(logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))
+    return logits.sub_(lse.masked_fill_(~torch.isfinite(lse), 0.0)).exp_()
 
 
 def kept_attention(
