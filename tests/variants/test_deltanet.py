@@ -270,3 +270,18 @@ def test_other_families_decode_like_the_full_forward(family):
         ids, mask = testing.decode_prompts()
         torch.testing.assert_close(testing.greedy(model, ids, mask), testing.greedy(model, ids, mask, use_cache=False),
                                    rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_hand_written_backward_passes_gradcheck(gated):
+    """The chunk loop's hand-written backward (zoo.ops.delta_rule._ChunkLoop), fp64 finite differences: a length that
+    is no chunk multiple, an initial state, with and without decay; the recurrence's gradients are checked above."""
+    q, k, v, beta, log_decay, state = (x.requires_grad_() for x in inputs(11, batch=1, heads=2, d_k=3, d_v=2))
+    decay = log_decay if gated else None
+
+    def f(q, k, v, beta, state, *rest):
+        out, final = delta_rule(q, k, v, beta, rest[0] if rest else None, 0.7, 4, state)
+        return out, final
+
+    args = (q, k, v, beta, state) + ((decay,) if gated else ())
+    assert torch.autograd.gradcheck(f, args)
