@@ -20,7 +20,7 @@ from zoo.variants.gated_deltanet import GatedDeltaNetAttention
 import zoo
 from zoo import testing
 from zoo.cache import CacheRollbackError, RecurrentLayer, cache_nbytes
-from zoo.ops.delta_rule import delta_rule, delta_rule_recurrence
+from zoo.ops.delta_rule import delta_rule, delta_rule_recurrence, l2_normalized
 from zoo.testing import run_variant  # the plug's entry point, wherever the package keeps it
 
 
@@ -285,3 +285,18 @@ def test_hand_written_backward_passes_gradcheck(gated):
 
     args = (q, k, v, beta, state) + ((decay,) if gated else ())
     assert torch.autograd.gradcheck(f, args)
+
+
+def test_l2_normalized_is_f_normalize_with_its_gradient():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 5, 4, generator=gen, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda x: l2_normalized(x, 1e-6), (x.clone().requires_grad_(),))
+    x[0, 0, 0] = 1e-8  # clamped at eps
+    grads = []
+    for f in (l2_normalized, lambda x: torch.nn.functional.normalize(x, dim=-1, eps=1e-6)):
+        leaf = x.clone().requires_grad_()
+        out = f(leaf)
+        out.sin().sum().backward()
+        grads.append((out, leaf.grad))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(grads[0][1], grads[1][1])
