@@ -15,9 +15,11 @@ triangular system (the UT transform):
     O = scale · (diag(e^b) Q S + (Q Kᵀ ⊙ Γ ⊙ causal) Δ),    S ← e^{b_C} S + (diag(e^{b_C − b}) K)ᵀ Δ
 
 W and U (T = (I + ...)⁻¹ diag(β) applied to K and V) come from one ``torch.linalg.solve_triangular`` over every
-chunk at once; only the state update runs chunk after chunk. Time O(n·C·d + n·d²); memory O(n·(C + d)) for the
-per-chunk products plus one d_k x d_v state per chunk kept for the backward (autograd through the chunked form:
-nothing of size n x n, nothing is recomputed). Every exponent is ≤ 0 (b is non-increasing), so nothing overflows.
+chunk at once; only Δ = U − W S and the state update run chunk after chunk, inside one autograd Function
+(:class:`_ChunkLoop`) whose backward is the adjoint recurrence written out, so autograd records nothing per chunk;
+the outputs are then two batched products over all chunks. Time O(n·C·d + n·d²); memory O(n·(C + d)) for the
+per-chunk products plus one d_k x d_v state per chunk kept for the backward (nothing of size n x n, nothing is
+recomputed). Every exponent is ≤ 0 (b is non-increasing), so nothing overflows.
 
 Accumulation is fp32 (fp64 for fp64 inputs) whatever the input dtype or autocast; the output has ``v``'s dtype.
 Tokens with β = 0 and log α = 0 leave the state untouched (how the variants drop padded tokens).
