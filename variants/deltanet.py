@@ -46,6 +46,7 @@ from zoo.ops.delta_rule import (
     delta_rule,
     delta_rule_flops,
     delta_rule_recurrence,
+    l2_normalized,
 )
 from zoo.ops.fla_backend import model_dtype_inputs
 from zoo.ops.gated_linear import OutputNorm, normalized
@@ -104,7 +105,7 @@ class DeltaNetAttention(Variant):
                 q, k, v = weights.conv(q, k, v, mask, state)
             else:
                 q, k = F.silu(q), F.silu(k)
-            q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
+            q, k = l2_normalized(q), l2_normalized(k)
             beta = torch.sigmoid(F.linear(source, weights.beta.weight.to(dtype))).transpose(1, 2)  # (B, H, n)
             if self.allow_negative_eigenvalues:
                 beta = 2 * beta

@@ -20,7 +20,7 @@ from zoo.variants.gated_deltanet import GatedDeltaNetAttention
 import zoo
 from zoo import testing
 from zoo.cache import CacheRollbackError, RecurrentLayer, cache_nbytes
-from zoo.ops.delta_rule import delta_rule, delta_rule_recurrence
+from zoo.ops.delta_rule import delta_rule, delta_rule_recurrence, l2_normalized
 from zoo.testing import run_variant  # the plug's entry point, wherever the package keeps it
 
 
@@ -270,3 +270,33 @@ def test_other_families_decode_like_the_full_forward(family):
         ids, mask = testing.decode_prompts()
         torch.testing.assert_close(testing.greedy(model, ids, mask), testing.greedy(model, ids, mask, use_cache=False),
                                    rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_hand_written_backward_passes_gradcheck(gated):
+    """The chunk loop's hand-written backward (zoo.ops.delta_rule._ChunkLoop), fp64 finite differences: a length that
+    is no chunk multiple, an initial state, with and without decay; the recurrence's gradients are checked above."""
+    q, k, v, beta, log_decay, state = (x.requires_grad_() for x in inputs(11, batch=1, heads=2, d_k=3, d_v=2))
+    decay = log_decay if gated else None
+
+    def f(q, k, v, beta, state, *rest):
+        out, final = delta_rule(q, k, v, beta, rest[0] if rest else None, 0.7, 4, state)
+        return out, final
+
+    args = (q, k, v, beta, state) + ((decay,) if gated else ())
+    assert torch.autograd.gradcheck(f, args)
+
+
+def test_l2_normalized_is_f_normalize_with_its_gradient():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 5, 4, generator=gen, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda x: l2_normalized(x, 1e-6), (x.clone().requires_grad_(),))
+    x[0, 0, 0] = 1e-8  # clamped at eps
+    grads = []
+    for f in (l2_normalized, lambda x: torch.nn.functional.normalize(x, dim=-1, eps=1e-6)):
+        leaf = x.clone().requires_grad_()
+        out = f(leaf)
+        out.sin().sum().backward()
+        grads.append((out, leaf.grad))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(grads[0][1], grads[1][1])

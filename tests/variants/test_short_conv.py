@@ -84,3 +84,14 @@ def test_hybrid_of_a_recurrent_layer_and_a_window_decodes_like_the_full_forward(
               {"variant": "longformer", "params": {"window": 16}}]
     testing.assert_decodes_like_the_full_forward("hybrid", layers=layers)
     testing.assert_cache_bytes_bounded("hybrid", layers=layers)
+
+
+def test_hand_written_backward_passes_gradcheck():
+    """The shifted multiply-adds' hand-written backward (input, the inputs kept from before, weights): fp64 finite
+    differences."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 2, 7, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(6, 1, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    previous = torch.randn(2, 6, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: causal_conv(x, w)[0], (x, weight))
+    assert torch.autograd.gradcheck(lambda x, w, p: causal_conv(x, w, previous=p), (x, weight, previous))

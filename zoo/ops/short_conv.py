@@ -23,6 +23,36 @@ from torch import nn
 STATE_KEYS = ("conv_q", "conv_k", "conv_v")
 
 
+class _ShiftedSum(torch.autograd.Function):
+    """Σ_j w_j ⊙ x_{t+j} over the K taps of a padded (B, H, n + K − 1, d) input, w (H, 1, d, K); fused multiply-adds
+    forward and backward (autograd would add a full-size zero-filled gradient per tap)."""
+
+    @staticmethod
+    def forward(ctx, padded: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        taps = w.shape[-1]
+        n = padded.shape[2] - (taps - 1)
+        out = padded[:, :, taps - 1:] * w[..., taps - 1]
+        for j in range(taps - 1):
+            out.addcmul_(padded[:, :, j:j + n], w[..., j])
+        ctx.save_for_backward(padded, w)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        padded, w = ctx.saved_tensors
+        taps = w.shape[-1]
+        n = grad.shape[2]
+        d_padded = d_w = None
+        if ctx.needs_input_grad[0]:
+            d_padded = torch.zeros_like(padded)
+            for j in range(taps):
+                d_padded[:, :, j:j + n].addcmul_(grad, w[..., j])
+        if ctx.needs_input_grad[1]:
+            d_w = torch.stack([(grad * padded[:, :, j:j + n]).sum((0, 2)) for j in range(taps)], dim=-1)[:, None]
+        return d_padded, d_w
+
+
 def causal_conv(
     x: torch.Tensor, weight: torch.Tensor, padding_mask: torch.Tensor | None = None,
     previous: torch.Tensor | None = None,
@@ -34,13 +64,16 @@ def causal_conv(
     taps = weight.shape[-1]
     if padding_mask is not None:
         x = x.masked_fill(~padding_mask[:, None, :, None], 0.0)
-    channels = x.transpose(-1, -2).reshape(batch, heads * dim, n)  # (B, H·d, n)
+    # the sum of ``taps`` shifted products over (B, H, n + K − 1, d), padded once: the output comes out contiguous in
+    # the layout the kernels read, with no transposed copies (a depthwise conv1d wants (B, H·d, n))
     if previous is None:
-        previous = channels.new_zeros(batch, heads * dim, taps - 1)
-    padded = torch.cat([previous.to(channels.dtype), channels], dim=-1)
-    out = F.conv1d(padded, weight.to(channels.dtype), groups=heads * dim)
-    out = F.silu(out).reshape(batch, heads, dim, n).transpose(-1, -2)
-    return out, padded[..., padded.shape[-1] - (taps - 1):]
+        padded = F.pad(x, (0, 0, taps - 1, 0))
+    else:
+        before = previous.to(x.dtype).reshape(batch, heads, dim, taps - 1).transpose(-1, -2)
+        padded = torch.cat([before, x], dim=2)
+    out = _ShiftedSum.apply(padded, weight.to(x.dtype).view(heads, 1, dim, taps))
+    last = padded[:, :, padded.shape[2] - (taps - 1):].transpose(-1, -2).reshape(batch, heads * dim, taps - 1)
+    return F.silu(out), last
 
 
 class ShortConv(nn.Module):
