@@ -83,11 +83,42 @@ def test_beam_search_reorders_the_cache(variant):
                                _generate(model, ids, mask, use_cache=False, **beams), rtol=0, atol=0)
 
 
-def test_prompt_global_tokens_stay_global_while_decoding():
+@pytest.mark.parametrize("variant", ["longformer", "longformer-sinks", "xformers-window", "longformer-dilated"])
+def test_unpadded_window_steps_build_no_mask(variant, monkeypatch):
+    """One unpadded query over a plain window's cache selection (pattern.plain_window) is exactly its keys: the step
+    builds no mask, and decodes the tokens of the full forward. A dilated window has holes: it keeps its mask."""
+    from zoo.ops import selected
+
+    model = _model("llama", variant)
+    ids = _prompts(length=24, batch=1)[0]
+    masks, rows_attention = [], selected.rows_attention
+
+    def recording(q, k, v, mask, call):
+        masks.append(mask)
+        return rows_attention(q, k, v, mask, call)
+
+    monkeypatch.setattr(selected, "rows_attention", recording)
+    decoded = _generate(model, ids, torch.ones_like(ids), min_new_tokens=NEW_TOKENS)
+    monkeypatch.undo()
+    steps = masks[-2 * (NEW_TOKENS - 1):]  # 2 layers x the steps after the prefill
+    assert len(masks) >= 2 * (NEW_TOKENS - 1)
+    if variant in ("longformer", "longformer-sinks"):
+        assert all(m is None for m in steps)
+    elif variant == "longformer-dilated":
+        assert all(m is not None for m in steps)
+    torch.testing.assert_close(decoded, _generate(model, ids, torch.ones_like(ids), use_cache=False,
+                                                  min_new_tokens=NEW_TOKENS), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+def test_prompt_global_tokens_stay_global_while_decoding(padded):
     """A decoding loop passes the prompt's global_attention_mask at every step (generate() itself refuses model
-    kwargs it does not know): the prompt's global tokens stay global, and kept, at constant memory."""
+    kwargs it does not know): the prompt's global tokens stay global, and kept, at constant memory. Unpadded, the
+    rows' different global tokens keep the step's mask (the cache holds the union of their sinks)."""
     model = _model("llama", "longformer")
     ids, mask = _prompts()
+    if not padded:
+        mask = torch.ones_like(ids)
     global_mask = torch.zeros_like(ids)
     global_mask[0, 7] = global_mask[1, [2, 11]] = 1
 

@@ -66,11 +66,13 @@ class LongformerAttention(Variant):
 
     def pattern(self, call: AttentionCall, q_len: int, kv_len: int) -> Pattern:
         """The (dilated) band, plus global rows and columns; reach = what windowed decoding keeps, sinks = the
-        global tokens. The one definition of the pattern: kernel geometry, decoding and cache read it."""
+        global tokens. The one definition of the pattern: kernel geometry, decoding and cache read it. A plain window
+        unless dilated or the rows mark different global tokens (the cache keeps the union of the rows' sinks)."""
         reach = self._half(call.layer_idx) * self.dilation
         tokens = self.global_tokens_of(call)
         extra = [global_rows(tokens), global_columns(tokens)] if tokens else []
-        return Pattern(union([band(reach, self.dilation), *extra]), reach=reach, sinks=tokens, global_queries=tokens)
+        return Pattern(union([band(reach, self.dilation), *extra]), reach=reach, sinks=tokens, global_queries=tokens,
+                       plain_window=self.dilation == 1 and (tokens.marked is None or tokens.marked.shape[0] == 1))
 
     def global_tokens_of(self, call: AttentionCall) -> TokenSet:
         """The global tokens: ``global_tokens`` counted from each row's first real token (so left and right padding

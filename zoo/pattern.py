@@ -7,7 +7,8 @@ with :func:`or_masks` / :func:`and_masks`. It says nothing about causality or pa
 ``reach``, ``sinks``, ``global_queries`` (what a windowed cache keeps), ``block_size`` with ``key_blocks`` (the key
 blocks each query block reads, for the shared chunked kernel :mod:`zoo.ops.patterned`; :func:`band_key_blocks` for a
 band; no built-in variant sets it) and ``whole_blocks`` (constant on block tiles counted from each row's
-``block_origin``, its first real token: BigBird sets it with ``block_size``).
+``block_origin``, its first real token: BigBird sets it with ``block_size``) and ``plain_window`` (a band of
+``reach`` with its sinks and nothing less: one decoding query over a windowed cache's selection needs no mask).
 
 Hints in detail and where each built-in pattern is defined: docs/notes/internals.md#pattern
 """
@@ -203,6 +204,10 @@ class Pattern:
     block_origin: torch.Tensor | None = None
     """(B|1,) long: where each row's whole blocks start (its first real token, so the blocks do not move with the
     amount of padding); None: every row's blocks start at 0."""
+    plain_window: bool = False
+    """Every key within ``reach`` behind a query and every sink is in the pattern (a sliding window with sinks, no
+    holes such as a dilation): what a windowed cache selects for one query past the ``global_queries`` is then
+    exactly that query's keys, and a decoding step needs no mask (:func:`zoo.ops.selected.selected_attention`)."""
 
     def __call__(self, b, h, q_idx, kv_idx):
         return self.mask_mod(b, h, q_idx, kv_idx)

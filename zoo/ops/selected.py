@@ -32,10 +32,15 @@ def selected_attention(
     ``select(rows)`` names: a slice (views, no copy; None = all keys) or indices, (K',) shared by the heads or
     (H, K') per head. Inside the selection the variant's ``pattern`` (a mask_mod over token positions), causality and
     ``call.padding_mask`` (B|1, K) decide; ``valid(rows, index) -> (1|H, K')`` bool drops selected slots that are
-    not keys of the pattern (e.g. repeats of a clamped index). Returns (B, H, Q, Dv); a query with no allowed key
-    outputs zeros.
+    not keys of the pattern (e.g. repeats of a clamped index). A ``pattern.plain_window`` whose ``select`` names the
+    keys of one unpadded query (not None) runs without a mask: the selection is then exactly the pattern's.
+    Returns (B, H, Q, Dv); a query with no allowed key outputs zeros.
     """
     batch, heads, count, _ = q.shape
+    if count == 1 and pattern is not None and pattern.plain_window and valid is None and call.padding_mask is None:
+        index = select(slice(0, 1))
+        if index is not None:  # the cache selected exactly the query's keys (a plain window step): no mask to build
+            return rows_attention(q, _gather(k, index), _gather(v, index), None, call)
     key_positions = call.key_positions(k.shape[-2], q.device)
     query_positions = key_positions[k.shape[-2] - count :]
     b = torch.arange(batch, device=q.device)[:, None, None, None]
