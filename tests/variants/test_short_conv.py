@@ -17,19 +17,21 @@ from zoo.testing import run_variant
 RECURRENT = ["deltanet", "gated_deltanet", "gla", "based", "linear", "performer"]
 
 
-def test_is_the_depthwise_causal_sum_then_silu():
+@pytest.mark.parametrize("n", [11, 2])  # 2: fewer tokens than the taps before the current one
+def test_is_the_depthwise_causal_sum_then_silu(n):
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 3, 11, 4, generator=gen, dtype=torch.float64)
+    x = torch.randn(2, 3, n, 4, generator=gen, dtype=torch.float64)
     weight = torch.randn(12, 1, 4, generator=gen, dtype=torch.float64)
     out, last = causal_conv(x, weight)
     taps = weight.view(3, 4, 4)  # (head, channel, tap); tap K-1 is the current token
     want = torch.zeros_like(x)
-    for t in range(11):
+    for t in range(n):
         for j in range(4):
             if t - j >= 0:
                 want[:, :, t] += taps[None, :, :, 3 - j] * x[:, :, t - j]
     torch.testing.assert_close(out, F.silu(want))
-    torch.testing.assert_close(last, x[:, :, -3:].transpose(-1, -2).reshape(2, 12, 3))
+    kept = F.pad(x, (0, 0, 3, 0))[:, :, -3:]  # the last 3 inputs, zeros before the first
+    torch.testing.assert_close(last, kept.transpose(-1, -2).reshape(2, 12, 3))
 
 
 def test_continues_across_calls_and_ignores_left_padding():
@@ -95,3 +97,5 @@ def test_hand_written_backward_passes_gradcheck():
     previous = torch.randn(2, 6, 3, generator=gen, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x, w: causal_conv(x, w)[0], (x, weight))
     assert torch.autograd.gradcheck(lambda x, w, p: causal_conv(x, w, previous=p), (x, weight, previous))
+    short = x[:, :, :2].detach().requires_grad_()  # fewer tokens than taps
+    assert torch.autograd.gradcheck(lambda x, w: causal_conv(x, w)[0], (short, weight))

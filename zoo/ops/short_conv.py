@@ -24,33 +24,38 @@ STATE_KEYS = ("conv_q", "conv_k", "conv_v")
 
 
 class _ShiftedSum(torch.autograd.Function):
-    """Σ_j w_j ⊙ x_{t+j} over the K taps of a padded (B, H, n + K − 1, d) input, w (H, 1, d, K); fused multiply-adds
-    forward and backward (autograd would add a full-size zero-filled gradient per tap)."""
+    """out_t = Σ_j w_j ⊙ x_{t−(K−1−j)} over the K taps of x (B, H, m, d), zeros before x's first token, w (H, 1, d, K):
+    fused multiply-adds over shifted views forward and backward, nothing padded or zero-filled at full size (autograd
+    would add a full-size gradient per tap, and a padded copy costs two passes over x)."""
 
     @staticmethod
-    def forward(ctx, padded: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        taps = w.shape[-1]
-        n = padded.shape[2] - (taps - 1)
-        out = padded[:, :, taps - 1:] * w[..., taps - 1]
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        taps, m = w.shape[-1], x.shape[2]
+        out = x * w[..., taps - 1]
         for j in range(taps - 1):
-            out.addcmul_(padded[:, :, j:j + n], w[..., j])
-        ctx.save_for_backward(padded, w)
+            shift = taps - 1 - j
+            if shift < m:
+                out[:, :, shift:].addcmul_(x[:, :, :m - shift], w[..., j])
+        ctx.save_for_backward(x, w)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        padded, w = ctx.saved_tensors
-        taps = w.shape[-1]
-        n = grad.shape[2]
-        d_padded = d_w = None
-        if ctx.needs_input_grad[0]:
-            d_padded = torch.zeros_like(padded)
-            for j in range(taps):
-                d_padded[:, :, j:j + n].addcmul_(grad, w[..., j])
+        x, w = ctx.saved_tensors
+        taps, m = w.shape[-1], x.shape[2]
+        d_x = d_w = None
+        if ctx.needs_input_grad[0]:  # ∂x_s = Σ_j w_j ⊙ grad_{s+K−1−j}
+            d_x = grad * w[..., taps - 1]
+            for j in range(taps - 1):
+                shift = taps - 1 - j
+                if shift < m:
+                    d_x[:, :, :m - shift].addcmul_(grad[:, :, shift:], w[..., j])
         if ctx.needs_input_grad[1]:
-            d_w = torch.stack([(grad * padded[:, :, j:j + n]).sum((0, 2)) for j in range(taps)], dim=-1)[:, None]
-        return d_padded, d_w
+            d_w = torch.stack([
+                (grad[:, :, taps - 1 - j:] * x[:, :, :m - (taps - 1 - j)]).sum((0, 2)) for j in range(taps)
+            ], dim=-1)[:, None]
+        return d_x, d_w
 
 
 def causal_conv(
@@ -64,15 +69,17 @@ def causal_conv(
     taps = weight.shape[-1]
     if padding_mask is not None:
         x = x.masked_fill(~padding_mask[:, None, :, None], 0.0)
-    # the sum of ``taps`` shifted products over (B, H, n + K − 1, d), padded once: the output comes out contiguous in
-    # the layout the kernels read, with no transposed copies (a depthwise conv1d wants (B, H·d, n))
+    # the sum of ``taps`` shifted products over (B, H, n, d): the output comes out contiguous in the layout the
+    # kernels read, with no transposed copies (a depthwise conv1d wants (B, H·d, n)); kept inputs go before x
+    w = weight.to(x.dtype).view(heads, 1, dim, taps)
     if previous is None:
-        padded = F.pad(x, (0, 0, taps - 1, 0))
+        out = _ShiftedSum.apply(x, w)
+        inputs = x if n >= taps - 1 else F.pad(x, (0, 0, taps - 1 - n, 0))
     else:
         before = previous.to(x.dtype).reshape(batch, heads, dim, taps - 1).transpose(-1, -2)
-        padded = torch.cat([before, x], dim=2)
-    out = _ShiftedSum.apply(padded, weight.to(x.dtype).view(heads, 1, dim, taps))
-    last = padded[:, :, padded.shape[2] - (taps - 1):].transpose(-1, -2).reshape(batch, heads * dim, taps - 1)
+        inputs = torch.cat([before, x], dim=2)
+        out = _ShiftedSum.apply(inputs, w)[:, :, taps - 1:]
+    last = inputs[:, :, inputs.shape[2] - (taps - 1):].transpose(-1, -2).reshape(batch, heads * dim, taps - 1)
     return F.silu(out), last
 
 
