@@ -89,6 +89,7 @@ def test_welch_t_test_matches_scipy_and_stalled_seeds_are_named():
     want = scipy_stats.ttest_ind(a, b, equal_var=False)
     assert abs(t - want.statistic) < 1e-9 and abs(p - want.pvalue) < 1e-6
     assert stalled_seeds(list(enumerate(b))) == [(0, 0.937)]
+    assert welch([0.99, 1.0, 0.995], [1.0, 0.99, 0.995])[2] == 1.0  # equal means: t = 0, p = 1 (was a math error)
     assert stalled_seeds(list(enumerate(a))) == []
 
 

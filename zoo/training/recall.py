@@ -197,6 +197,8 @@ def _student_two_sided_p(t: float, df: float) -> float:
     x, a, b = df / (df + t * t), df / 2, 0.5
     if x <= 0:
         return 0.0
+    if x >= 1:  # t = 0 (equal means): every |T| is at least 0
+        return 1.0
     front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
     if x >= (a + 1) / (a + b + 2):  # the symmetric relation converges faster there
         return 1.0 - front * _beta_fraction(1 - x, b, a) / b
