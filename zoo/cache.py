@@ -19,6 +19,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from zoo.call import AttentionCall
 from zoo.ops import kept
+from zoo.pattern import TokenSet
 
 LAYER_KWARG = "attention_zoo_cache_layer"
 
@@ -322,7 +323,8 @@ def pattern_cache_layer(variant: Any, layer_idx: int) -> CacheLayerMixin:
 
     def sinks(positions: torch.Tensor, kwargs: dict, row_start: torch.Tensor | None) -> torch.Tensor:
         tokens = pattern_at(kwargs, row_start).sinks
-        if not tokens:
+        if not tokens or (isinstance(tokens, TokenSet) and tokens.marked is None and positions.numel()
+                          and int(positions[0]) > tokens.last_position()):  # a decoding step past the last sink
             return torch.zeros_like(positions, dtype=torch.bool)
         rows = row_start.shape[0] if row_start is not None else 1
         batch = torch.arange(max(rows, _rows_of(tokens)), device=positions.device)[:, None]
