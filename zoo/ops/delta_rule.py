@@ -104,7 +104,7 @@ class _UnitLowerSolve(torch.autograd.Function):
     """[W | U] = (I + L)⁻¹ [R_k | R_v] for the strictly lower L of ``lower`` (R, C, C), as two products with the
     explicit inverse (:func:`unit_lower_inverse`, kept for the backward: one C x C matrix per chunk). Backward, with
     X the solution: ∂R = (I + L)⁻ᵀ ∂X, ∂L = −tril(∂R Xᵀ, −1). Replaces ``torch.linalg.solve_triangular``, which on
-    CPU solves one matrix at a time (4× slower at C = 64 forward and backward), and returns W and U contiguous."""
+    CPU solves one matrix at a time (3× slower at C = 64 forward and backward), and returns W and U contiguous."""
 
     @staticmethod
     def forward(ctx, lower, rhs_keys, rhs_values):
