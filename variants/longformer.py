@@ -143,9 +143,10 @@ class LongformerAttention(Variant):
         O(window + globals) per token (a global query, possible only while every key is kept, sees them all)."""
         layer = call.cache
         pattern = self.pattern(call, q.shape[-2], k.shape[-2])
-        query_positions = call.query_positions(q.shape[-2], k.shape[-2])
+        first = layer.seen - q.shape[-2]  # the queries are the tokens this call appended, from position ``first``
         query_global = None  # no global query after the last global position
-        if int(query_positions[0]) < layer.complete_until and pattern.global_queries:
+        if first < layer.complete_until and pattern.global_queries:
+            query_positions = call.query_positions(q.shape[-2], k.shape[-2])
             query_global = pattern.global_queries(torch.arange(q.shape[0])[:, None], query_positions[None])
             if self.global_projections and bool(query_global.any()):
                 raise ValueError(
@@ -157,8 +158,7 @@ class LongformerAttention(Variant):
         def select(rows: slice) -> slice | torch.Tensor | None:
             if query_global is not None and bool(query_global[:, rows].any()):
                 return None
-            positions = query_positions[rows]
-            return layer.select(int(positions[0]), int(positions[-1]))
+            return layer.select(first + rows.start, first + rows.stop - 1)
 
         return selected_attention(q, k, v, call, select, pattern)
 

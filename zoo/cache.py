@@ -24,7 +24,7 @@ from zoo.pattern import TokenSet
 LAYER_KWARG = "attention_zoo_cache_layer"
 
 # (positions (K,), attention kwargs, row_start (B,) | None) -> (K,) bool: keys kept forever (any row's sink)
-SinkPredicate = Callable[[torch.Tensor, dict, "torch.Tensor | None"], torch.Tensor]
+SinkPredicate = Callable[[torch.Tensor, dict, "torch.Tensor | None"], "torch.Tensor | None"]
 
 
 class CacheRollbackError(RuntimeError):
@@ -83,8 +83,8 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
     older than ``seen - reach`` -- once the attention call is done (:meth:`after_call`, from the plug; else at the next
     update), and once the call has told it where each row's real tokens start (``row_start``, set by the plug: left
     padding moves the first real tokens).
-    ``sinks(positions, attention_kwargs, row_start) -> (len,) bool`` marks keys kept forever (e.g. StreamingLLM's
-    first tokens, Longformer's global tokens, union over the batch);
+    ``sinks(positions, attention_kwargs, row_start) -> (len,) bool`` (or None: none of them) marks keys kept
+    forever (e.g. StreamingLLM's first tokens, Longformer's global tokens, union over the batch);
     ``sees_all_until(attention_kwargs) -> int``: every key is kept while fewer tokens were seen (a global query
     still to come attends to all earlier keys).
 
@@ -118,6 +118,7 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
         self.rows_known = False  # row_start set by the plug (after the first call's update)
         self.attention_kwargs: dict = {}
         self.first_recent = self.sink_prefix = 0  # the held layout (see the class docstring)
+        self.last_sink = -1  # the largest position marked as a sink so far (no sink after it)
         self.call_first = self.call_prefix = 0  # the same for the keys of the current call
         self.positions = self.is_sink = None
         self.key_positions = self.key_is_sink = None
@@ -215,9 +216,12 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
         """Classify the keys of the last call (sinks, now that ``row_start`` is known) and drop the unreachable."""
         if self.pending:
             kwargs, recent = self.attention_kwargs, slice(self.positions.shape[0] - self.pending, None)
-            if self.sinks is not None:
-                marked = self.sinks(self.positions[recent], kwargs, self.row_start).to(self.device)
+            marked = self.sinks(self.positions[recent], kwargs, self.row_start) if self.sinks is not None else None
+            if marked is not None:  # None: none of them (their marks stay False, as appended)
+                marked = marked.to(self.device)
                 self.is_sink[recent] = marked  # in place: the call in progress reads its keys' sinks (a view)
+                if bool(marked.any()):
+                    self.last_sink = max(self.last_sink, int(self.positions[recent][marked].max()))
             if self.sees_all_until is not None:
                 self.complete_until = max(self.complete_until, int(self.sees_all_until(kwargs, self.row_start)))
             self.pending = 0
@@ -232,15 +236,18 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
             return
         self._held()
         prefix, cut = self.sink_prefix, self.sink_prefix + oldest - self.first_recent
-        new_sinks = self.is_sink[prefix:cut].nonzero().squeeze(-1) + prefix
-        kept = prefix + new_sinks.numel()
-        if kept:
+        parts = (self.keys, self.values, self.positions, self.is_sink)
+        if self.first_recent > self.last_sink:  # no sink among the dropped keys (a decoding step): move the old ones
+            kept = prefix
+            sinks = [_tokens(part, 0, prefix).clone() for part in parts] if kept else []
+        else:
+            new_sinks = self.is_sink[prefix:cut].nonzero().squeeze(-1) + prefix
+            kept = prefix + new_sinks.numel()
             index = torch.cat([torch.arange(prefix, device=new_sinks.device), new_sinks])
-            sinks = [part.index_select(-2 if part.dim() > 1 else 0, index)
-                     for part in (self.keys, self.values, self.positions, self.is_sink)]
+            sinks = [part.index_select(-2 if part.dim() > 1 else 0, index) for part in parts] if kept else []
+        if kept:
             if self.keys.requires_grad:  # autograd: fresh tensors, no write into what a graph saw
-                rest = [_tokens(part, cut, part.shape[-2] if part.dim() > 1 else part.shape[0])
-                        for part in (self.keys, self.values, self.positions, self.is_sink)]
+                rest = [_tokens(part, cut, part.shape[-2] if part.dim() > 1 else part.shape[0]) for part in parts]
                 self._rebuild([torch.cat([a, b], dim=-2 if a.dim() > 1 else 0) for a, b in zip(sinks, rest,
                                                                                               strict=True)])
             else:
@@ -324,8 +331,8 @@ def pattern_cache_layer(variant: Any, layer_idx: int) -> CacheLayerMixin:
     def sinks(positions: torch.Tensor, kwargs: dict, row_start: torch.Tensor | None) -> torch.Tensor:
         tokens = pattern_at(kwargs, row_start).sinks
         if not tokens or (isinstance(tokens, TokenSet) and tokens.marked is None and positions.numel()
-                          and int(positions[0]) > tokens.last_position()):  # a decoding step past the last sink
-            return torch.zeros_like(positions, dtype=torch.bool)
+                          and int(positions[0]) > tokens.last_position()):  # e.g. a decoding step past the last sink
+            return None
         rows = row_start.shape[0] if row_start is not None else 1
         batch = torch.arange(max(rows, _rows_of(tokens)), device=positions.device)[:, None]
         return tokens(batch, positions[None, :]).any(0)
