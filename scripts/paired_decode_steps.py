@@ -30,6 +30,7 @@ def main() -> None:
     settings = DecodeSettings(lengths=[args.length], window=args.window)
     prompt = torch.randint(3, settings.vocab, (1, args.length), generator=torch.Generator().manual_seed(args.length))
     running, times = {}, {name: [] for name in args.contestants}
+    rounds = {name: [] for name in args.contestants}  # each round's median step, per contestant
     with torch.inference_mode():
         for name in args.contestants:
             contestant = DecodeContestant(name, "peer") if name in PEERS else \
@@ -48,9 +49,15 @@ def main() -> None:
                     times[name].append(time.perf_counter() - start)
                     mask = torch.cat([mask, mask.new_ones(1, 1)], dim=1)
                 running[name][2:] = [token, mask]
+                rounds[name].append(statistics.median(times[name][-args.steps :]))
+    first = args.contestants[0]
     for name in args.contestants:
         print(f"n={args.length} {name}: median {1e3 * statistics.median(times[name]):.3f} ms per step "
               f"over {len(times[name])} steps")
+    for name in args.contestants[1:]:  # paired: the two ran back to back in each round
+        ratios = sorted(a / b for a, b in zip(rounds[first], rounds[name], strict=True))
+        print(f"n={args.length} {first} / {name}: median of the {len(ratios)} rounds' ratios "
+              f"{statistics.median(ratios):.3f} (range {ratios[0]:.3f}-{ratios[-1]:.3f})")
 
 
 if __name__ == "__main__":

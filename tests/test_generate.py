@@ -195,7 +195,9 @@ def test_windowed_layer_hands_the_kernel_only_the_window_and_sinks():
         model(ids[:, token : token + 1], cache=cache, use_cache=True)
         layer = cache.layers[1]
         assert layer.get_seq_length() == 41 + token
-        assert layer.key_positions.tolist() == [0, 1, 2, 3] + list(range(41 + token - 1 - layer.reach, 41 + token))
+        positions = layer.key_positions.tolist()  # the sinks first (their order rotates as keys drop), then the window
+        assert sorted(positions[:4]) == [0, 1, 2, 3]
+        assert positions[4:] == list(range(41 + token - 1 - layer.reach, 41 + token))
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -369,3 +371,51 @@ def test_the_decoding_contract_catches_a_cache_that_drops_a_reachable_key(cls, f
             assert_decodes_like_the_full_forward(cls.name)
     finally:
         zoo.unregister_variant(cls.name)
+
+
+def test_decoding_steps_reuse_the_pattern_instead_of_rebuilding_it(monkeypatch):
+    """A windowed layer's pattern (the sinks it keeps, the kernel's window) is built once per layer and reused while
+    the call's kwargs but the per-step ones stay the same: rebuilding it cost more than the step's attention
+    (issue 29, item 5). The count of builds does not grow with the number of generated tokens."""
+    from zoo.variants.longformer import LongformerAttention
+
+    model = _model("llama", "longformer-sinks")
+    ids = _prompts(length=24, batch=1)[0]
+    builds, pattern = [], LongformerAttention.pattern
+
+    def counting(self, call, q_len, kv_len):
+        builds.append(call.decoding)
+        return pattern(self, call, q_len, kv_len)
+
+    monkeypatch.setattr(LongformerAttention, "pattern", counting)
+    counts = []
+    for new_tokens in (3, 12):
+        builds.clear()
+        decoded = _generate(model, ids, torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+        counts.append(builds.count(True))
+    assert counts[0] == counts[1] <= 2 * 2  # at most twice per layer (the cache's sinks, the kernel's call)
+    monkeypatch.undo()
+    torch.testing.assert_close(decoded, _generate(model, ids, torch.ones_like(ids), use_cache=False,
+                                                  max_new_tokens=12, min_new_tokens=12), rtol=0, atol=0)
+
+
+def test_the_reused_decoding_pattern_follows_new_kwargs_and_row_starts():
+    """The memo compares everything but the per-step kwargs (positions): another global_attention_mask or another
+    row start builds the pattern again; a new position_ids tensor does not."""
+    from zoo.cache import pattern_cache_layer
+
+    variant = zoo.get_variant_class("longformer")(window=8)
+    layer = pattern_cache_layer(variant, 0)
+    marks = torch.tensor([[0, 1, 0]])
+    first = layer.decoding_pattern(variant, 0, {"global_attention_mask": marks, "position_ids": torch.tensor([[5]])},
+                                   None)
+    again = layer.decoding_pattern(variant, 0, {"global_attention_mask": marks, "position_ids": torch.tensor([[6]])},
+                                   None)
+    assert again is first
+    other_marks = layer.decoding_pattern(variant, 0, {"global_attention_mask": marks.clone()}, None)
+    assert other_marks is not first
+    other_rows = layer.decoding_pattern(variant, 0, {"global_attention_mask": marks}, torch.tensor([1]))
+    assert other_rows is not other_marks
+    assert other_rows.sinks.row_start is not None and first.sinks.row_start is None
+    other_layer = layer.decoding_pattern(variant, 1, {"global_attention_mask": marks}, torch.tensor([1]))
+    assert other_layer is not other_rows

@@ -142,7 +142,7 @@ class LongformerAttention(Variant):
         """Decoding with the windowed cache: each new query over the sinks and its window among the kept keys,
         O(window + globals) per token (a global query, possible only while every key is kept, sees them all)."""
         layer = call.cache
-        pattern = self.pattern(call, q.shape[-2], k.shape[-2])
+        pattern = layer.decoding_pattern(self, call.layer_idx, call.extra, call.row_start, call)  # lengths unused
         first = layer.seen - q.shape[-2]  # the queries are the tokens this call appended, from position ``first``
         query_global = None  # no global query after the last global position
         if first < layer.complete_until and pattern.global_queries:

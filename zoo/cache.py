@@ -22,6 +22,9 @@ from zoo.ops import kept
 from zoo.pattern import TokenSet
 
 LAYER_KWARG = "attention_zoo_cache_layer"
+# Attention kwargs transformers renews at every step and that no pattern reads (a pattern sees positions through its
+# predicate's arguments): a decoding pattern is reused while the other kwargs stay the same (WindowedLayer).
+PER_STEP_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", LAYER_KWARG})
 
 # (positions (K,), attention kwargs, row_start (B,) | None) -> (K,) bool: keys kept forever (any row's sink)
 SinkPredicate = Callable[[torch.Tensor, dict, "torch.Tensor | None"], "torch.Tensor | None"]
@@ -85,15 +88,16 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
     padding moves the first real tokens).
     ``sinks(positions, attention_kwargs, row_start) -> (len,) bool`` (or None: none of them) marks keys kept
     forever (e.g. StreamingLLM's first tokens, Longformer's global tokens, union over the batch);
-    ``sees_all_until(attention_kwargs) -> int``: every key is kept while fewer tokens were seen (a global query
-    still to come attends to all earlier keys).
+    ``sees_all_until(attention_kwargs, row_start) -> int``: every key is kept while fewer tokens were seen (a global
+    query still to come attends to all earlier keys); ``sink_horizon(attention_kwargs, row_start) -> int | None``: no
+    sink lies past this position (None: unknown), so a step past it asks ``sinks`` nothing.
 
     Layout (what keeps the per-token work free of searches, gathers and copies of the window): the held keys are the
-    old sinks (``sink_prefix`` of them, positions below ``first_recent``) followed by every position from
-    ``first_recent`` on, a view ``[lo, hi)`` of buffers with slack after it. A new token is written at ``hi``; a
-    dropped key moves ``lo`` on, the few sinks moving with it, so a decoding step copies O(sinks + new tokens), not
-    the window (the buffers are compacted when full: amortized O(1) per token for a slack of a quarter).
-    ``key_positions`` / ``key_is_sink`` describe the keys handed to the current call (ascending), and :meth:`select`
+    old sinks (``sink_prefix`` of them, positions below ``first_recent``, in no particular order) followed by every
+    position from ``first_recent`` on (ascending), a view ``[lo, hi)`` of buffers with slack after it. A new token is
+    written at ``hi``; a dropped key moves ``lo`` on and the first sinks into its slot, so a decoding step copies
+    O(new tokens) rows, not the window (the buffers are compacted when full: amortized O(1) per token for a slack of a
+    quarter). ``key_positions`` / ``key_is_sink`` describe the keys handed to the current call, and :meth:`select`
     names the ones a window of queries can reach, as a slice (a view) when they are contiguous, which is always the
     case for one decoding step. ``crop`` restores what it can: with ``activate_past_recording()`` (assisted decoding)
     nothing is dropped until the next ``crop``. The attention kwargs kept for the sinks hold no reference to the
@@ -104,11 +108,13 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
     MIN_SLACK = 64
 
     def __init__(self, reach: int, sinks: SinkPredicate | None = None,
-                 sees_all_until: Callable[[dict], int] | None = None) -> None:
+                 sees_all_until: Callable[[dict, torch.Tensor | None], int] | None = None,
+                 sink_horizon: Callable[[dict, torch.Tensor | None], int | None] | None = None) -> None:
         super().__init__()
         self.reach = int(reach)
         self.sinks = sinks
         self.sees_all_until = sees_all_until
+        self.sink_horizon = sink_horizon
         self.record_past = False
         self._clear()
 
@@ -126,6 +132,7 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
         self.lo = self.hi = 0
         self.views: tuple[torch.Tensor, torch.Tensor] | None = None  # the keys/values views last set
         self.in_use = False  # the current call reads views of the buffers: nothing moves until after_call
+        self.pattern_memo: tuple | None = None  # (variant, layer_idx, row_start, kwargs, pattern): decoding_pattern
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -143,9 +150,7 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
         self._settle()
         self.attention_kwargs = {k: v for k, v in attention_kwargs.items() if k != LAYER_KWARG}
         count = key_states.shape[-2]
-        new_positions = torch.arange(self.seen, self.seen + count, device=self.device)
-        new_sinks = torch.zeros(count, dtype=torch.bool, device=self.device)  # classified at the next update
-        self._append([key_states, value_states, new_positions, new_sinks])
+        self._append(key_states, value_states)
         self.seen += count
         self.new_tokens = self.pending = count
         self.key_positions, self.key_is_sink = self.positions, self.is_sink
@@ -165,27 +170,45 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
         self.row_start, self.rows_known = row_start, True
         self._settle()  # classify this call's keys; what no later query reaches goes after the call
 
+    def decoding_pattern(self, variant: Any, layer_idx: int, kwargs: dict, row_start: torch.Tensor | None,
+                         call: AttentionCall | None = None):
+        """``variant``'s pattern for a decoding call of this layer with these attention kwargs and ``row_start``,
+        evaluated at q_len = kv_len = 1 (for patterns that do not depend on the call's lengths, as the sinks the
+        cache keeps) and reused across steps while the variant, ``row_start`` and the kwargs but
+        :data:`PER_STEP_KWARGS` are the same objects: rebuilding it (predicates, token sets) cost more than the
+        step's attention. ``call``: the call itself when the kernel asks (else a causal decoding call is made)."""
+        memo = self.pattern_memo
+        if memo is not None and memo[0] is variant and memo[1] == layer_idx and memo[2] is row_start and \
+                same_stable_kwargs(memo[3], kwargs):
+            return memo[4]
+        if call is None:
+            call = _decoding_call(layer_idx, kwargs, row_start)
+        pattern = variant.pattern(call, 1, 1)
+        self.pattern_memo = (variant, layer_idx, row_start, stable_kwargs(kwargs), pattern)
+        return pattern
+
     # -- buffers ---------------------------------------------------------------------------------------------
 
-    def _held(self, like: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    def _held(self, like: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The buffers, rebuilt when keys/values were replaced from outside (beam reorder, batch selection, offload);
-        the first ones shaped ``like`` the first new tokens."""
+        the first ones shaped ``like`` the first new keys and values."""
         if self.buffers is None or self.views is None or self.keys is not self.views[0] or \
                 self.values is not self.views[1]:
             held = [self.keys, self.values, self.positions, self.is_sink]
             if self.keys.dim() < 2 and like is not None:  # lazy_initialization's empty 1-D tensors
-                held = [_tokens(part, 0, 0) for part in like]
+                held[:2] = [_tokens(part, 0, 0) for part in like]
             self._rebuild(held)
         return self.buffers
 
     def _rebuild(self, held: list[torch.Tensor], extra: int = 0) -> None:
-        """Fresh buffers holding ``held`` (keys, values, positions, is_sink) with room for ``extra`` more tokens."""
+        """Fresh buffers holding ``held`` (keys, values, positions, is_sink) with room for ``extra`` more tokens.
+        The sink marks past ``hi`` are False (an appended token is no sink until classified: nothing to write)."""
         length = held[2].shape[0]
         capacity = length + extra + max(self.MIN_SLACK, (length + extra) // 4)
         buffers = []
         for part in held:
             buffer = part.new_empty(*part.shape[:-2], capacity, part.shape[-1]) if part.dim() > 1 else \
-                part.new_empty(capacity)
+                part.new_zeros(capacity)
             if length:
                 _tokens(buffer, 0, length).copy_(part)
             buffers.append(buffer)
@@ -196,10 +219,13 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
         self.keys, self.values, self.positions, self.is_sink = (_tokens(b, self.lo, self.hi) for b in self.buffers)
         self.views = (self.keys, self.values)
 
-    def _append(self, new: list[torch.Tensor]) -> None:
-        count = new[2].shape[0]
-        buffers = self._held(like=new)
-        if new[0].requires_grad or new[1].requires_grad or self.keys.requires_grad:  # in place would break autograd
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Write the new tokens at ``hi``: their keys, values and positions (their sink marks are False already)."""
+        count, first = key_states.shape[-2], self.seen
+        buffers = self._held(like=(key_states, value_states))
+        if key_states.requires_grad or value_states.requires_grad or self.keys.requires_grad:  # no in-place writes
+            new = [key_states, value_states, torch.arange(first, first + count, device=self.device),
+                   torch.zeros(count, dtype=torch.bool, device=self.device)]  # classified at the next update
             self.buffers = [torch.cat([held, part], dim=-2 if part.dim() > 1 else 0)
                             for held, part in zip((self.keys, self.values, self.positions, self.is_sink), new,
                                                   strict=True)]
@@ -207,8 +233,13 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
         else:
             if self.hi + count > buffers[2].shape[0]:
                 self._rebuild([self.keys, self.values, self.positions, self.is_sink], extra=count)
-            for buffer, part in zip(self.buffers, new, strict=True):
-                _tokens(buffer, self.hi, self.hi + count).copy_(part)
+            keys, values, positions, _ = self.buffers
+            _tokens(keys, self.hi, self.hi + count).copy_(key_states)
+            _tokens(values, self.hi, self.hi + count).copy_(value_states)
+            if count == 1:
+                positions[self.hi] = first
+            else:
+                positions[self.hi : self.hi + count] = torch.arange(first, first + count, device=self.device)
             self.hi += count
         self._set_views()
 
@@ -216,7 +247,11 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
         """Classify the keys of the last call (sinks, now that ``row_start`` is known) and drop the unreachable."""
         if self.pending:
             kwargs, recent = self.attention_kwargs, slice(self.positions.shape[0] - self.pending, None)
-            marked = self.sinks(self.positions[recent], kwargs, self.row_start) if self.sinks is not None else None
+            horizon = self.sink_horizon(kwargs, self.row_start) if self.sink_horizon is not None else None
+            past_horizon = horizon is not None and self.seen - self.pending > horizon  # e.g. a step past the sinks
+            marked = None
+            if self.sinks is not None and not past_horizon:
+                marked = self.sinks(self.positions[recent], kwargs, self.row_start)
             if marked is not None:  # None: none of them (their marks stay False, as appended)
                 marked = marked.to(self.device)
                 self.is_sink[recent] = marked  # in place: the call in progress reads its keys' sinks (a view)
@@ -230,22 +265,42 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
 
     def _drop_unreachable(self) -> None:
         """Drop the non-sink keys no future query can reach (older than ``seen - reach``): ``lo`` moves on and the
-        kept sinks are written just before it (a copy of the sinks only)."""
+        kept sinks are written just before the window (a copy of the sinks only)."""
         oldest = self.seen - self.reach
         if self.seen < self.complete_until or self.first_recent >= oldest:
             return
         self._held()
         prefix, cut = self.sink_prefix, self.sink_prefix + oldest - self.first_recent
-        parts = (self.keys, self.values, self.positions, self.is_sink)
-        if self.first_recent > self.last_sink:  # no sink among the dropped keys (a decoding step): move the old ones
-            kept = prefix
-            sinks = [_tokens(part, 0, prefix).clone() for part in parts] if kept else []
+        if self.first_recent > self.last_sink and not self.keys.requires_grad:
+            self._drop_past_sinks(cut - prefix)
         else:
-            new_sinks = self.is_sink[prefix:cut].nonzero().squeeze(-1) + prefix
-            kept = prefix + new_sinks.numel()
-            index = torch.cat([torch.arange(prefix, device=new_sinks.device), new_sinks])
-            sinks = [part.index_select(-2 if part.dim() > 1 else 0, index) for part in parts] if kept else []
+            self._drop_keeping_sinks(prefix, cut)
+        self.first_recent = oldest
+        if self.buffers[2].shape[0] > 2 * (self.hi - self.lo) + 2 * self.MIN_SLACK:  # after a long prefill
+            self._rebuild([self.keys, self.values, self.positions, self.is_sink])
+
+    def _drop_past_sinks(self, dropped: int) -> None:
+        """Drop the ``dropped`` oldest window keys, none of them a sink (a decoding step): the first of the old sinks
+        move into the dropped slots just after the others, so the sinks stay in front of the window in a rotated
+        order. A step copies one row per buffer: no clone, no search."""
+        prefix = self.sink_prefix
+        moved = min(dropped, prefix)
+        if moved:
+            to = self.lo + max(dropped, prefix)
+            for buffer in self.buffers:
+                _tokens(buffer, to, to + moved).copy_(_tokens(buffer, self.lo, self.lo + moved))
+        self.lo += dropped
+        self._set_views()
+
+    def _drop_keeping_sinks(self, prefix: int, cut: int) -> None:
+        """Drop the held keys ``prefix .. cut - 1`` but the sinks among them (or any drop under autograd): the old
+        and the new sinks are gathered and written just before the keys from ``cut`` on."""
+        parts = (self.keys, self.values, self.positions, self.is_sink)
+        new_sinks = self.is_sink[prefix:cut].nonzero().squeeze(-1) + prefix
+        kept = prefix + new_sinks.numel()
         if kept:
+            index = torch.cat([torch.arange(prefix, device=new_sinks.device), new_sinks])
+            sinks = [part.index_select(-2 if part.dim() > 1 else 0, index) for part in parts]
             if self.keys.requires_grad:  # autograd: fresh tensors, no write into what a graph saw
                 rest = [_tokens(part, cut, part.shape[-2] if part.dim() > 1 else part.shape[0]) for part in parts]
                 self._rebuild([torch.cat([a, b], dim=-2 if a.dim() > 1 else 0) for a, b in zip(sinks, rest,
@@ -259,9 +314,7 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
         else:
             self.lo += cut
             self._set_views()
-        self.first_recent, self.sink_prefix = oldest, kept
-        if self.buffers[2].shape[0] > 2 * (self.hi - self.lo) + 2 * self.MIN_SLACK:  # after a long prefill
-            self._rebuild([self.keys, self.values, self.positions, self.is_sink])
+        self.sink_prefix = kept
 
     def select(self, first_query: int, last_query: int) -> slice | torch.Tensor:
         """The keys of the current call that queries at positions ``first_query .. last_query`` can reach: the
@@ -291,7 +344,8 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
                     "cache.activate_past_recording() before the forward you may roll back (assisted decoding does)."
                 )
             self._held()
-            self.hi = self.lo + self.sink_prefix + target - self.first_recent
+            old_hi, self.hi = self.hi, self.lo + self.sink_prefix + target - self.first_recent
+            self.buffers[3][self.hi : old_hi] = False  # no sink marks past hi (see _rebuild)
             self._set_views()
             self.seen = target
             self.pending = max(0, self.pending - count)
@@ -309,8 +363,8 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
 
 def _tokens(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """Tokens ``start .. stop - 1`` of a buffer: the last-but-one dimension of keys/values, the only one of
-    positions/sink marks (a view)."""
-    return x[..., start:stop, :] if x.dim() > 1 else x[start:stop]
+    positions/sink marks (a view; ``narrow`` costs less than indexing, per decoding step)."""
+    return x.narrow(-2 if x.dim() > 1 else 0, start, stop - start)
 
 
 def pattern_cache_layer(variant: Any, layer_idx: int) -> CacheLayerMixin:
@@ -321,32 +375,63 @@ def pattern_cache_layer(variant: Any, layer_idx: int) -> CacheLayerMixin:
     if pattern is None or pattern.reach is None:
         return DynamicLayer()
 
-    last: list = [None, None, None]  # (kwargs, row_start, pattern): sinks and sees_all_until of one update share it
+    layer: WindowedLayer | None = None
+    read: list = [None, None]  # the pattern last read, and what was read from it (see facts)
 
     def pattern_at(kwargs: dict, row_start: torch.Tensor | None):
-        if last[0] is not kwargs or last[1] is not row_start:
-            last[:] = kwargs, row_start, variant.pattern(_decoding_call(layer_idx, kwargs, row_start), 1, 1)
-        return last[2]
+        return layer.decoding_pattern(variant, layer_idx, kwargs, row_start)
 
-    def sinks(positions: torch.Tensor, kwargs: dict, row_start: torch.Tensor | None) -> torch.Tensor:
+    def facts(kwargs: dict, row_start: torch.Tensor | None) -> tuple[int | None, int]:
+        """(the last sink position, None if unknown; the first position past every global query), read once per
+        pattern (host reads of the token sets' marks)."""
+        pattern = pattern_at(kwargs, row_start)
+        if read[0] is not pattern:
+            tokens, rows = pattern.sinks, pattern.global_queries
+            last = (tokens.last_position() if tokens else -1) if tokens is None or isinstance(tokens, TokenSet) \
+                else None
+            read[:] = pattern, (last, rows.last_position() + 1 if rows else 0)
+        return read[1]
+
+    def sinks(positions: torch.Tensor, kwargs: dict, row_start: torch.Tensor | None) -> torch.Tensor | None:
         tokens = pattern_at(kwargs, row_start).sinks
-        if not tokens or (isinstance(tokens, TokenSet) and tokens.marked is None and positions.numel()
-                          and int(positions[0]) > tokens.last_position()):  # e.g. a decoding step past the last sink
+        if not tokens:
             return None
         rows = row_start.shape[0] if row_start is not None else 1
         batch = torch.arange(max(rows, _rows_of(tokens)), device=positions.device)[:, None]
         return tokens(batch, positions[None, :]).any(0)
 
-    def sees_all_until(kwargs: dict, row_start: torch.Tensor | None) -> int:
-        rows = pattern_at(kwargs, row_start).global_queries
-        return rows.last_position() + 1 if rows else 0
-
-    return WindowedLayer(pattern.reach, sinks, sees_all_until)
+    layer = WindowedLayer(pattern.reach, sinks, sees_all_until=lambda kwargs, row_start: facts(kwargs, row_start)[1],
+                          sink_horizon=lambda kwargs, row_start: facts(kwargs, row_start)[0])
+    return layer
 
 
 def _decoding_call(layer_idx: int, kwargs: dict, row_start: torch.Tensor | None):
     return AttentionCall(causal=True, scaling=1.0, layer_idx=layer_idx, extra=kwargs, row_start=row_start,
                          decoding=True)
+
+
+def stable_kwargs(kwargs: dict) -> dict:
+    """The attention kwargs but :data:`PER_STEP_KWARGS`."""
+    return {key: value for key, value in kwargs.items() if key not in PER_STEP_KWARGS}
+
+
+def same_stable_kwargs(old: dict | None, new: dict) -> bool:
+    """Whether two calls' attention kwargs agree on everything but :data:`PER_STEP_KWARGS`: the same objects (tensors
+    by identity, other values by equality)."""
+    if old is new:
+        return True
+    if old is None:
+        return False
+    stable = stable_kwargs(new)
+    if len(stable) != len(stable_kwargs(old)):
+        return False
+    for key, now in stable.items():
+        if key not in old:
+            return False
+        before = old[key]
+        if before is not now and (isinstance(now, torch.Tensor) or isinstance(before, torch.Tensor) or before != now):
+            return False
+    return True
 
 
 def _rows_of(tokens) -> int:

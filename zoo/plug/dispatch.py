@@ -104,7 +104,10 @@ def zoo_attention_forward(
         recomputed=module.training and not torch.compiler.is_compiling() and _patches.in_backward(),
     )
     query, key, value = compute_dtype(query, key, value)
-    with torch.autocast(device_type=query.device.type, enabled=False):  # kernels choose their fp32 parts
+    if torch.is_autocast_enabled(query.device.type):
+        with torch.autocast(device_type=query.device.type, enabled=False):  # kernels choose their fp32 parts
+            out = run_variant(variant, query, key, value, call)
+    else:  # no context to enter on every call (a decoding step is a few dozen small ops)
         out = run_variant(variant, query, key, value, call)
     if isinstance(cache_layer, WindowedLayer):
         cache_layer.after_call()  # the keys were read: drop what no later query reaches
@@ -120,12 +123,17 @@ def compute_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
     target = value.dtype
     if torch.is_autocast_enabled(device) and query.is_floating_point():
         target = torch.get_autocast_dtype(device)
+    elif query.dtype == key.dtype == target:
+        return query, key, value
     return tuple(x if x.dtype == target else x.to(target) for x in (query, key, value))
 
 
 def is_cross_attention(module: torch.nn.Module) -> bool:
     """The module attends from one sequence to another (BERT's ``BertCrossAttention``, encoder-decoder models)."""
-    return bool(getattr(module, "is_cross_attention", False)) or "CrossAttention" in type(module).__name__
+    if "CrossAttention" in type(module).__name__:
+        return True
+    flag = vars(module).get("is_cross_attention", getattr(type(module), "is_cross_attention", False))
+    return bool(flag)
 
 
 def run_variant(

@@ -8,6 +8,7 @@ models with different variants coexist in one process, and a reload needs only `
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -70,8 +71,14 @@ def per_config(cache: dict, config: PretrainedConfig, default: Any) -> Any:
 
 
 def variant_for(config: PretrainedConfig) -> Variant:
-    """The variant instance configured in ``config`` (cached per config, rebuilt if the config changed)."""
+    """The variant instance configured in ``config`` (cached per config, rebuilt if the config changed).
+
+    Read on every attention call: while the ``attention_zoo`` entry is the same object with the same variant and
+    parameters (compared with a copy, so an edit in place counts), the cached instance is returned unchecked."""
     spec = getattr(config, CONFIG_KEY, None)
+    cached = _variants.get(id(config))
+    if cached is not None and cached[0] is spec and cached[1] == _spec_key(spec):
+        return cached[2]
     if not spec:
         raise ValueError(
             f"This model uses attn_implementation={IMPLEMENTATION!r} but its config has no {CONFIG_KEY!r} "
@@ -79,13 +86,19 @@ def variant_for(config: PretrainedConfig) -> Variant:
         )
     where = _config_file(config)
     _check_spec(spec, where)
-    cached = _variants.get(id(config))
-    key = (spec["variant"], repr(spec.get("params", {})))
-    if cached is None or cached[0] != key:
-        cached = (key, check_saved_spec(spec, where))
-        per_config(_variants, config, cached)
-        _variants[id(config)] = cached
-    return cached[1]
+    key = _spec_key(spec)
+    if cached is None or cached[1] != key:
+        cached = (spec, copy.deepcopy(key), check_saved_spec(spec, where))
+    else:  # the same variant and parameters in another entry object
+        cached = (spec, cached[1], cached[2])
+    per_config(_variants, config, cached)
+    _variants[id(config)] = cached
+    return cached[2]
+
+
+def _spec_key(spec: Any) -> tuple:
+    """What decides the variant instance: its name and parameters."""
+    return (spec.get("variant"), spec.get("params", {})) if isinstance(spec, Mapping) else (None, spec)
 
 
 def _config_file(config: PretrainedConfig) -> str:
