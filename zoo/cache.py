@@ -410,28 +410,29 @@ def _decoding_call(layer_idx: int, kwargs: dict, row_start: torch.Tensor | None)
                          decoding=True)
 
 
+_MISSING = object()
+
+
 def stable_kwargs(kwargs: dict) -> dict:
     """The attention kwargs but :data:`PER_STEP_KWARGS`."""
     return {key: value for key, value in kwargs.items() if key not in PER_STEP_KWARGS}
 
 
 def same_stable_kwargs(old: dict | None, new: dict) -> bool:
-    """Whether two calls' attention kwargs agree on everything but :data:`PER_STEP_KWARGS`: the same objects (tensors
-    by identity, other values by equality)."""
-    if old is new:
-        return True
+    """Whether a call's attention kwargs ``new`` agree with ``old`` (kwargs as :func:`stable_kwargs` keeps them) on
+    everything but :data:`PER_STEP_KWARGS`: the same objects (tensors by identity, other values by equality)."""
     if old is None:
         return False
-    stable = stable_kwargs(new)
-    if len(stable) != len(stable_kwargs(old)):
-        return False
-    for key, now in stable.items():
-        if key not in old:
+    count = 0
+    for key, now in new.items():
+        if key in PER_STEP_KWARGS:
+            continue
+        count += 1
+        before = old.get(key, _MISSING)
+        if before is not now and (before is _MISSING or isinstance(now, torch.Tensor) or
+                                  isinstance(before, torch.Tensor) or before != now):
             return False
-        before = old[key]
-        if before is not now and (isinstance(now, torch.Tensor) or isinstance(before, torch.Tensor) or before != now):
-            return False
-    return True
+    return count == len(old)
 
 
 def _rows_of(tokens) -> int:

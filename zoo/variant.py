@@ -322,6 +322,9 @@ class Variant:
     def check_call(self, call: AttentionCall, where: str = "") -> None:
         """Refuse a call this variant does not support (causal / bidirectional mode, attention dropout), naming the
         variant, ``where`` it runs (e.g. a layer of a hybrid) and the fix."""
+        if (self.supports_causal if call.causal else self.supports_bidirectional) and (
+                call.dropout == 0 or not call.training or self.supports_dropout):
+            return  # the common case, checked without building the message (every attention call)
         label = f"attention-zoo variant {self.name!r}" + (f" ({where})" if where else "")
         if call.causal and not self.supports_causal:
             raise ValueError(f"{label} does not support causal attention.")

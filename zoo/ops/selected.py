@@ -73,7 +73,8 @@ def selected_attention(
 def _gather(x: torch.Tensor, index: slice | torch.Tensor) -> torch.Tensor:
     """x (B, H, K, D) at ``index`` (a slice or (K',)) -> (B, H, K', D), or per head (H, K') -> (B, H, K', D)."""
     if isinstance(index, slice):
-        return x[:, :, index]
+        whole = index.step is None and not index.start and (index.stop is None or index.stop >= x.shape[2])
+        return x if whole else x[:, :, index]
     if index.dim() == 1:
         return x.index_select(2, index)
     heads = torch.arange(x.shape[1], device=x.device)[:, None]

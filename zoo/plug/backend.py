@@ -109,7 +109,7 @@ def flex_pattern(
 
 def _auto_may_pick_flex(variant: Variant, q: torch.Tensor) -> bool:
     """Only where measured: CUDA for :data:`CUDA_MEASURED`, CPU from :data:`CPU_CROSSOVER` (checked first)."""
-    if q.device.type == "cuda":
+    if q.is_cuda:
         return variant.name in CUDA_MEASURED
     return q.shape[-2] >= CPU_CROSSOVER.get(variant.name, math.inf)
 

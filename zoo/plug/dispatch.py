@@ -19,7 +19,7 @@ from zoo.ops import expand_kv, flex
 from zoo.pattern import row_starts
 from zoo.plug import _patches
 from zoo.plug.backend import after_flex_failure, compiled, flex_pattern
-from zoo.plug.spec import CONFIG_KEY, per_config, variant_for
+from zoo.plug.spec import config_spec, per_config, variant_for
 from zoo.plug.weights import WEIGHTS_NAME
 from zoo.variant import Variant
 
@@ -73,7 +73,7 @@ def zoo_attention_forward(
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
     q_len, kv_len = query.shape[-2], key.shape[-2]
     cross = is_cross_attention(module) or (q_len != kv_len and not causal)
-    spec = getattr(config, CONFIG_KEY)
+    spec = config_spec(config)
     padding_mask = attention_mask.bool() if attention_mask is not None else None
     cache_layer = kwargs.pop(LAYER_KWARG, None)  # our cache layer, handed over by its update() (zoo.cache)
     row_start = None if cross else row_starts(padding_mask)  # over every token seen (before key_columns)
@@ -103,9 +103,10 @@ def zoo_attention_forward(
         cross_attention=cross,
         recomputed=module.training and not torch.compiler.is_compiling() and _patches.in_backward(),
     )
-    query, key, value = compute_dtype(query, key, value)
-    if torch.is_autocast_enabled(query.device.type):
-        with torch.autocast(device_type=query.device.type, enabled=False):  # kernels choose their fp32 parts
+    device_type = query.device.type
+    query, key, value = compute_dtype(query, key, value, device_type)
+    if torch.is_autocast_enabled(device_type):
+        with torch.autocast(device_type=device_type, enabled=False):  # kernels choose their fp32 parts
             out = run_variant(variant, query, key, value, call)
     else:  # no context to enter on every call (a decoding step is a few dozen small ops)
         out = run_variant(variant, query, key, value, call)
@@ -114,12 +115,12 @@ def zoo_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-def compute_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+def compute_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, device_type: str | None = None):
     """q/k/v in one dtype, once, before any kernel: under autocast its dtype for the device (the rotary embedding
     returns fp32 q/k while v is bf16, and the CPU flash kernels autocast does not cover need one dtype); else the
     values' dtype. Kernels then run with autocast off, keep softmax statistics and recurrent states in fp32
     themselves, and return this dtype."""
-    device = query.device.type
+    device = device_type or query.device.type
     target = value.dtype
     if torch.is_autocast_enabled(device) and query.is_floating_point():
         target = torch.get_autocast_dtype(device)
