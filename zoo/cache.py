@@ -79,6 +79,24 @@ class _SeenTokens:
         return attention_mask.index_select(-1, self.key_positions.to(attention_mask.device))
 
 
+def _lazy_view(name: str) -> property:
+    """A :class:`WindowedLayer` attribute (``keys``, ``values``, ``positions``, ``is_sink``): a view of ``[lo, hi)`` of
+    its buffers, made again only when read after a drop (a decoding step's drop and append narrow the buffers once)."""
+    field = "_" + name
+
+    def get(layer):
+        if layer._stale:
+            layer._set_views()
+        return getattr(layer, field, None)
+
+    def set_(layer, value):
+        if layer._stale:
+            layer._set_views()
+        setattr(layer, field, value)
+
+    return property(get, set_)
+
+
 class WindowedLayer(_SeenTokens, DynamicLayer):
     """Keys a windowed pattern can still reach: every sink (global) key and the last ``reach`` keys.
 
@@ -106,6 +124,7 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
 
     is_sliding = False  # mask sizes cover every token seen, not a window
     MIN_SLACK = 64
+    _stale = False  # the views lag the buffers (after a drop): refreshed on the next read (see _view)
 
     def __init__(self, reach: int, sinks: SinkPredicate | None = None,
                  sees_all_until: Callable[[dict, torch.Tensor | None], int] | None = None,
@@ -119,6 +138,7 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
         self._clear()
 
     def _clear(self) -> None:
+        self._stale = False
         self.seen = self.new_tokens = self.complete_until = self.pending = 0
         self.row_start: torch.Tensor | None = None
         self.rows_known = False  # row_start set by the plug (after the first call's update)
@@ -192,8 +212,8 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
     def _held(self, like: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The buffers, rebuilt when keys/values were replaced from outside (beam reorder, batch selection, offload);
         the first ones shaped ``like`` the first new keys and values."""
-        if self.buffers is None or self.views is None or self.keys is not self.views[0] or \
-                self.values is not self.views[1]:
+        if self.buffers is None or self.views is None or self._keys is not self.views[0] or \
+                self._values is not self.views[1]:
             held = [self.keys, self.values, self.positions, self.is_sink]
             if self.keys.dim() < 2 and like is not None:  # lazy_initialization's empty 1-D tensors
                 held[:2] = [_tokens(part, 0, 0) for part in like]
@@ -216,14 +236,18 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
         self._set_views()
 
     def _set_views(self) -> None:
-        self.keys, self.values, self.positions, self.is_sink = (_tokens(b, self.lo, self.hi) for b in self.buffers)
-        self.views = (self.keys, self.values)
+        self._stale = False
+        self._keys, self._values, self._positions, self._is_sink = (_tokens(b, self.lo, self.hi) for b in self.buffers)
+        self.views = (self._keys, self._values)
+
+    keys, values = _lazy_view("keys"), _lazy_view("values")
+    positions, is_sink = _lazy_view("positions"), _lazy_view("is_sink")
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Write the new tokens at ``hi``: their keys, values and positions (their sink marks are False already)."""
         count, first = key_states.shape[-2], self.seen
         buffers = self._held(like=(key_states, value_states))
-        if key_states.requires_grad or value_states.requires_grad or self.keys.requires_grad:  # no in-place writes
+        if key_states.requires_grad or value_states.requires_grad or self._keys.requires_grad:  # no in-place writes
             new = [key_states, value_states, torch.arange(first, first + count, device=self.device),
                    torch.zeros(count, dtype=torch.bool, device=self.device)]  # classified at the next update
             self.buffers = [torch.cat([held, part], dim=-2 if part.dim() > 1 else 0)
@@ -290,7 +314,7 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
             for buffer in self.buffers:
                 _tokens(buffer, to, to + moved).copy_(_tokens(buffer, self.lo, self.lo + moved))
         self.lo += dropped
-        self._set_views()
+        self._stale = True  # the next append narrows the buffers once for both
 
     def _drop_keeping_sinks(self, prefix: int, cut: int) -> None:
         """Drop the held keys ``prefix .. cut - 1`` but the sinks among them (or any drop under autograd): the old

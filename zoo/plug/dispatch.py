@@ -19,7 +19,7 @@ from zoo.ops import expand_kv, flex
 from zoo.pattern import row_starts
 from zoo.plug import _patches
 from zoo.plug.backend import after_flex_failure, compiled, flex_pattern
-from zoo.plug.spec import config_spec, per_config, variant_for
+from zoo.plug.spec import CONFIG_KEY, per_config, variant_for
 from zoo.plug.weights import WEIGHTS_NAME
 from zoo.variant import Variant
 
@@ -73,7 +73,7 @@ def zoo_attention_forward(
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
     q_len, kv_len = query.shape[-2], key.shape[-2]
     cross = is_cross_attention(module) or (q_len != kv_len and not causal)
-    spec = config_spec(config)
+    spec = getattr(config, CONFIG_KEY)
     padding_mask = attention_mask.bool() if attention_mask is not None else None
     cache_layer = kwargs.pop(LAYER_KWARG, None)  # our cache layer, handed over by its update() (zoo.cache)
     row_start = None if cross else row_starts(padding_mask)  # over every token seen (before key_columns)

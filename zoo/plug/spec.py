@@ -75,7 +75,7 @@ def variant_for(config: PretrainedConfig) -> Variant:
 
     Read on every attention call: while the ``attention_zoo`` entry is the same object with the same variant and
     parameters (compared with a copy, so an edit in place counts), the cached instance is returned unchecked."""
-    spec = config_spec(config)
+    spec = getattr(config, CONFIG_KEY, None)
     cached = _variants.get(id(config))
     if cached is not None and cached[0] is spec and cached[1] == _spec_key(spec):
         return cached[2]
@@ -94,13 +94,6 @@ def variant_for(config: PretrainedConfig) -> Variant:
     per_config(_variants, config, cached)
     _variants[id(config)] = cached
     return cached[2]
-
-
-def config_spec(config: PretrainedConfig) -> Any:
-    """The config's ``attention_zoo`` entry (None if it has none): from the instance's attributes first, which skips
-    ``PretrainedConfig.__getattribute__``'s lookups on every attention call."""
-    spec = vars(config).get(CONFIG_KEY)
-    return spec if spec is not None else getattr(config, CONFIG_KEY, None)
 
 
 def _spec_key(spec: Any) -> tuple:
