@@ -124,7 +124,7 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
 
     is_sliding = False  # mask sizes cover every token seen, not a window
     MIN_SLACK = 64
-    _stale = False  # the views lag the buffers (after a drop): refreshed on the next read (see _view)
+    _stale = False  # the views lag the buffers (after a drop): refreshed on the next read (_lazy_view)
 
     def __init__(self, reach: int, sinks: SinkPredicate | None = None,
                  sees_all_until: Callable[[dict, torch.Tensor | None], int] | None = None,
