@@ -360,13 +360,97 @@ def test_dropout_runs_in_training_mode_and_skips_contestants_without_it(tmp_path
 def test_decode_measures_per_token_time_and_cache_bytes_through_generate():
     from zoo.bench.decode import DecodeContestant, DecodeSettings, measure_decode
 
-    settings = DecodeSettings(lengths=[48], new_tokens=4, window=16, hidden=32, heads=2, kv_heads=1)
-    dense = measure_decode(DecodeContestant("transformers_sdpa", "peer"), settings, 48)
-    mistral = measure_decode(DecodeContestant("mistral_sliding_window", "peer"), settings, 48)
-    assert dense["ms_per_token"] > 0 and dense["first_token_s"] > 0
-    # 2 layers x (k + v) x 1 kv head x 32/2 dims x fp32 per token seen (prompt + 3 fed tokens)
-    assert dense["cache_bytes"] == 2 * 2 * 1 * 16 * 4 * (48 + 3)
+    settings = DecodeSettings(lengths=[48], new_tokens=4, rounds=2, window=16, hidden=32, heads=2, kv_heads=1)
+    peers = [DecodeContestant("transformers_sdpa", "peer"), DecodeContestant("mistral_sliding_window", "peer")]
+    result = measure_decode(peers, settings, 48)
+    dense, mistral = result["results"]["transformers_sdpa"], result["results"]["mistral_sliding_window"]
+    assert dense["ms_per_token"] > 0 and dense["first_token_s"] > 0 and len(dense["round_ms"]) == 2
+    # 2 layers x (k + v) x 1 kv head x 32/2 dims x fp32 per token in the cache: the prompt, then each round's
+    # tokens (the last one generated is not fed back)
+    assert dense["cache_bytes"] == 2 * 2 * 1 * 16 * 4 * (48 + 2 * 4)
     assert mistral["cache_bytes"] < dense["cache_bytes"] / 2  # the sliding window keeps about 16 keys
+
+
+def test_decode_takes_turns_and_continues_each_sequence_as_one_generate_would(monkeypatch):
+    """Every contestant prefills once, then the rounds alternate their order (A B, B A, ...), each round
+    continuing the contestant's own sequence and cache: the tokens equal one uninterrupted generate."""
+    import zoo.bench.decode as decode
+
+    settings = decode.DecodeSettings(lengths=[40], new_tokens=3, rounds=3, window=8, hidden=32, heads=2, kv_heads=1)
+    contestants = [decode.DecodeContestant("mistral_sliding_window", "peer"),
+                   decode.DecodeContestant("longformer", "zoo", "longformer", decode.decode_params("longformer", 8))]
+    calls, sequences, real_generate = [], {}, decode._generate
+
+    def recording(model, ids, new_tokens, **options):
+        out = real_generate(model, ids, new_tokens, **options)
+        calls.append((model.config.model_type, ids.shape[1], new_tokens))
+        sequences[model.config.model_type] = (model, out.sequences)
+        return out
+
+    monkeypatch.setattr(decode, "_generate", recording)
+    results = decode.measure_decode(contestants, settings, 40)["results"]
+    timed = [(kind, length) for kind, length, new in calls if new == 3]
+    assert timed == [("mistral", 41), ("llama", 41), ("llama", 44), ("mistral", 44), ("mistral", 47), ("llama", 47)]
+    for model, tokens in sequences.values():
+        with torch.inference_mode():
+            whole = real_generate(model, tokens[:, :40], 1 + 3 * 3).sequences
+        assert torch.equal(tokens, whole)
+    assert all(len(r["round_ms"]) == 3 and r["status"] == "ok" for r in results.values())
+
+
+def test_decode_records_a_contestant_that_raises_and_measures_the_others(monkeypatch):
+    import zoo.bench.decode as decode
+
+    settings = decode.DecodeSettings(lengths=[40], new_tokens=3, rounds=2, window=8, hidden=32, heads=2, kv_heads=1)
+    real_build = decode.build_model
+
+    def failing(contestant, settings, n):
+        if contestant.name == "xformers":
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+        return real_build(contestant, settings, n)
+
+    monkeypatch.setattr(decode, "build_model", failing)
+    contestants = [decode.DecodeContestant("xformers", "zoo", "xformers", {"window": 8}),
+                   decode.DecodeContestant("transformers_sdpa", "peer")]
+    results = decode.measure_decode(contestants, settings, 40)["results"]
+    assert results["xformers"] == {"status": "error", "seconds": results["xformers"]["seconds"],
+                                   "error": "RuntimeError: DefaultCPUAllocator: can't allocate memory"}
+    assert results["transformers_sdpa"]["status"] == "ok" and len(results["transformers_sdpa"]["round_ms"]) == 2
+
+
+def test_decode_compares_with_a_peer_by_the_median_of_paired_rounds():
+    """A host slowdown in one round hits both contestants of that round: the paired ratio ignores it, where the
+    ratio of the two medians would not."""
+    from zoo.bench.decode import paired_speedup
+
+    peer = {"round_ms": [2.0, 2.0, 6.0, 6.0, 6.0]}
+    mine = {"round_ms": [1.9, 1.9, 1.9, 5.7, 5.7]}  # 5% faster than the peer in every round but one (3.2x)
+    assert paired_speedup(mine, peer) == pytest.approx((6.0 / 5.7, 2.0 / 1.9, 6.0 / 1.9))
+
+
+def test_decode_measures_each_contestant_alone_when_the_shared_process_dies(monkeypatch):
+    from zoo.bench import decode
+    from zoo.bench.measure import Runner
+
+    settings = decode.DecodeSettings(lengths=[40], new_tokens=3, rounds=1, window=8, hidden=32, heads=2, kv_heads=1)
+    contestants = [decode.DecodeContestant("transformers_sdpa", "peer"),
+                   decode.DecodeContestant("mistral_sliding_window", "peer")]
+    real_run, sizes = Runner.run, []
+
+    def dying_together(self, fn, *args, timeout):
+        if fn is decode.measure_decode:
+            sizes.append(len(args[0]))
+            if len(args[0]) > 1:
+                return {"status": "error", "error": "the measuring process died: killed (SIGKILL)", "fatal": True}
+        return real_run(self, fn, *args, timeout=timeout)
+
+    monkeypatch.setattr(Runner, "run", dying_together)
+    report = decode.run_decode_benchmark(settings, contestants, progress=False)
+    assert sizes == [2, 1, 1]
+    assert [r["status"] for r in report["rows"]] == ["ok", "ok"]
+    assert all(r["note"].startswith("measured alone (the shared process: the measuring process died")
+               for r in report["rows"])
+    assert "measured alone" in decode.render_markdown(report, "zoo bench --decode")
 
 
 def _reaches_itself(root) -> bool:
@@ -394,9 +478,9 @@ def test_decode_counts_a_windowed_cache_with_zoo_cache_nbytes_and_its_layers_hol
     reference to themselves and the bytes are zoo.cache_nbytes' (issue 29, item 5)."""
     from zoo.bench.decode import DecodeContestant, DecodeSettings, decode_params, measure_decode
 
-    settings = DecodeSettings(lengths=[48], new_tokens=4, window=16, hidden=32, heads=2, kv_heads=1)
-    for name in ("longformer", "xformers"):
-        result = measure_decode(DecodeContestant(name, "zoo", name, decode_params(name, 16)), settings, 48)
+    settings = DecodeSettings(lengths=[48], new_tokens=4, rounds=1, window=16, hidden=32, heads=2, kv_heads=1)
+    contestants = [DecodeContestant(name, "zoo", name, decode_params(name, 16)) for name in ("longformer", "xformers")]
+    for name, result in measure_decode(contestants, settings, 48)["results"].items():
         assert result["status"] == "ok" and 0 < result["cache_bytes"] < 2 * 2 * 16 * 4 * 51, name
     model = zoo.configure(transformers_llama(), "longformer", window=8, global_tokens=[0, 1])
     model = __import__("transformers").AutoModelForCausalLM.from_config(model).eval()

@@ -419,3 +419,42 @@ def test_the_reused_decoding_pattern_follows_new_kwargs_and_row_starts():
     assert other_rows.sinks.row_start is not None and first.sinks.row_start is None
     other_layer = layer.decoding_pattern(variant, 1, {"global_attention_mask": marks}, torch.tensor([1]))
     assert other_layer is not other_rows
+
+
+@pytest.mark.parametrize("variant", ["longformer-sinks", "xformers-window"])
+def test_a_windowed_decoding_step_over_real_keys_builds_no_mask_and_reads_no_whole_mask(monkeypatch, variant):
+    """generate passes a padding mask over every token seen. Once each row's start is known, a step reads only the
+    kept keys' columns of it (no row_starts over the whole context) and, when those are all real tokens, runs the
+    plain window without a mask; with padding among the kept keys it masks. Tokens equal use_cache=False decoding
+    both ways (issue 29, item 5)."""
+    import zoo.ops.selected as selected
+    import zoo.plug.dispatch as dispatch
+
+    model = _model("llama", variant)
+    masks, whole_mask_reads = [], []
+    real_rows_attention, real_row_starts = selected.rows_attention, dispatch.row_starts
+
+    def recording(q_rows, k, v, allowed, call):
+        masks.append(allowed)
+        return real_rows_attention(q_rows, k, v, allowed, call)
+
+    def counting(padding_mask):
+        whole_mask_reads.append(None if padding_mask is None else padding_mask.shape[-1])
+        return real_row_starts(padding_mask)
+
+    monkeypatch.setattr(selected, "rows_attention", recording)
+    monkeypatch.setattr(dispatch, "row_starts", counting)
+    ids = _prompts(length=24, batch=1)[0]
+    out = _generate(model, ids, torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8)
+    assert len(masks) == 2 * 7 and all(mask is None for mask in masks)  # 2 layers x 7 steps after the prefill
+    assert len(whole_mask_reads) == 2  # the prefill call of each layer only
+    masks.clear()
+    ids, mask = _prompts(length=8, batch=2, left_pad=6)  # padding among the kept keys
+    padded = _generate(model, ids, mask, max_new_tokens=2, min_new_tokens=2)
+    assert masks and all(mask is not None for mask in masks)
+    monkeypatch.undo()
+    torch.testing.assert_close(out, _generate(model, _prompts(length=24, batch=1)[0],
+                                              torch.ones(1, 24, dtype=torch.long), use_cache=False,
+                                              max_new_tokens=8, min_new_tokens=8), rtol=0, atol=0)
+    torch.testing.assert_close(padded, _generate(model, ids, mask, use_cache=False, max_new_tokens=2,
+                                                 min_new_tokens=2), rtol=0, atol=0)

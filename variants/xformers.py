@@ -48,7 +48,7 @@ class XFormersAttention(Variant):
 
     def pattern(self, call: AttentionCall, q_len: int, kv_len: int) -> Pattern | None:
         """``|i − j| < window`` (a band of reach window − 1), or every key without a window."""
-        return None if self.window is None else Pattern(band(self.window - 1), reach=self.window - 1)
+        return None if self.window is None else Pattern(band(self.window - 1), reach=self.window - 1, plain_window=True)
 
     def flops(self, n: int, heads: int, head_dim: int, causal: bool = False) -> float:
         if self.window is None:
@@ -59,7 +59,10 @@ class XFormersAttention(Variant):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         if call.decoding and isinstance(call.cache, WindowedLayer):  # a few queries over the kept window keys
             log_backend_once("zoo.ops.selected_attention", "decoding with the windowed cache")
-            return selected_attention(q, k, v, call, lambda rows: None, self.pattern(call, q.shape[-2], k.shape[-2]))
+            layer, first = call.cache, call.cache.seen - q.shape[-2]  # the queries are the tokens just appended
+            pattern = layer.decoding_pattern(self, call.layer_idx, call.extra, call.row_start, call)
+            return selected_attention(q, k, v, call, lambda rows: layer.select(first + rows.start,
+                                                                                first + rows.stop - 1), pattern)
         reason = xformers_unavailable_reason(q)
         if reason is None:
             try:

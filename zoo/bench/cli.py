@@ -91,7 +91,9 @@ def add_subcommand(subparsers) -> None:
     add_flag(p, "backend", choices=["auto", "flex", "chunked"], default="auto",
              help="exact pattern variants: FlexAttention, their chunked kernel, or auto (zoo.attention_backend)")
     add_flag(p, "threads", type=POSITIVE, default=None, help="torch threads (default: torch's default here)")
-    add_flag(p, "repeats", type=POSITIVE, help="timed iterations per measurement (default 3; quick 1)")
+    add_flag(p, "repeats", type=POSITIVE,
+             help="timed iterations per measurement (default 3; quick 1; --decode: rounds of --new_tokens tokens "
+             "per contestant, default 6)")
     add_flag(p, "warmup", type=number(int, 0), help="untimed iterations first (default 1)")
     add_flag(p, "max_seconds", type=SECONDS,
              help="skip a combination whose estimated time for one iteration exceeds this (default 120)")
@@ -104,7 +106,7 @@ def add_subcommand(subparsers) -> None:
              f"against the prompt length (default lengths {DECODE_LENGTHS}), with transformers' SDPA and Mistral "
              "sliding-window caches as peers")
     add_flag(p, "new_tokens", type=number(int, 3, what=" (gaps between tokens are timed)"), default=32,
-             help="--decode: tokens generated per measurement (default 32)")
+             help="--decode: tokens generated per contestant and round (default 32)")
     add_flag(p, "window", type=POSITIVE, default=512,
              help="--decode: keys a windowed contestant keeps (Mistral sliding_window, xformers window, causal "
              "longformer window/2 + 4 sink tokens; default 512)")
@@ -158,6 +160,7 @@ def decode_settings_from_args(args: argparse.Namespace) -> DecodeSettings:
     heads = given(args.heads, defaults.heads)
     return DecodeSettings(
         lengths=given(args.lengths, [512, 1024] if args.quick else defaults.lengths), new_tokens=args.new_tokens,
+        rounds=given(args.repeats, 1 if args.quick else defaults.rounds),
         window=args.window, hidden=given(args.hidden, defaults.hidden), heads=heads,
         kv_heads=min(defaults.kv_heads, heads), batch=args.batch, device=args.device,
         threads=given(args.threads, torch.get_num_threads()), max_seconds=given(args.max_seconds, defaults.max_seconds),
@@ -169,7 +172,8 @@ def decode_command_line(settings: DecodeSettings, args: argparse.Namespace) -> s
     if args.variants:
         parts.append("--variants " + " ".join(args.variants))
     parts.append("--lengths " + " ".join(map(str, settings.lengths)))
-    parts.append(f"--new_tokens {settings.new_tokens} --window {settings.window} --hidden {settings.hidden}")
+    parts.append(f"--new_tokens {settings.new_tokens} --repeats {settings.rounds} --window {settings.window}")
+    parts.append(f"--hidden {settings.hidden}")
     parts.append(f"--heads {settings.heads} --batch {settings.batch} --threads {settings.threads}")
     parts.append(f"--backend {args.backend}")
     parts.append(f"--max_seconds {settings.max_seconds:g} --output_dir {args.output_dir}")

@@ -1,10 +1,15 @@
 """``zoo bench --decode``: per-token decode latency and cache bytes against the prompt length.
 
-A tiny Llama (hidden 256, 4 heads, 2 layers, fp32, batch 1 by default) generates ``new_tokens`` greedy tokens
-through ``model.generate`` after a random prompt of n tokens, once per (contestant, n), each in a fresh process
-with a memory cap (:class:`zoo.bench.measure.Runner`). The time per token is the median gap between the time
-stamps a streamer records as tokens arrive (the first token, which carries the prefill, is left out: prefill noise
-would swamp the difference); the cache bytes are those of the cache object ``generate`` returns (``zoo.cache_nbytes``).
+A tiny Llama (hidden 256, 4 heads, 2 layers, fp32, batch 1 by default) decodes greedily through
+``model.generate`` after a random prompt of n tokens. Per n, every contestant runs in one process with a memory
+cap (:class:`zoo.bench.measure.Runner`): each prefills once, then the contestants take turns, in ``rounds``
+rounds of alternating order, continuing their own sequence and cache by ``new_tokens`` tokens. A single
+``generate`` per contestant, each in a fresh process, moved by more than the differences measured (±50% on a
+shared 2-core host); taking turns puts slow host noise on every contestant alike, and the ratio to a peer is
+paired per round. The time per token is the median gap between the time stamps a streamer records as tokens
+arrive (each call's first gap left out); the cache bytes are those of the cache after the last round
+(``zoo.cache_nbytes``). Should the shared process die (a contestant outgrew the machine), each contestant at that
+n is measured again in a process of its own.
 
 Contestants: every registered causal variant (``dense`` only when asked: it materializes n x n scores in the
 prefill), each with the cache ``generate`` gives it, and two peers in the same run: ``transformers_sdpa`` (plain
@@ -32,7 +37,7 @@ from zoo.cache import cache_nbytes
 from zoo.plug.install import configure
 from zoo.plug.spec import variant_for
 from zoo.registry import get_variant_class, list_variants
-from zoo.reporting import MB, fixed, human_bytes, markdown_table, write_csv
+from zoo.reporting import MB, describe_error, fixed, human_bytes, markdown_table, write_csv
 from zoo.training.lm import TokenClock
 
 DECODE_LENGTHS = [2048, 8192, 32768, 131072]
@@ -44,7 +49,8 @@ QUADRATIC_PREFILL = {"transformers_sdpa", "mistral_sliding_window", "sdpa", "den
 @dataclass
 class DecodeSettings:
     lengths: list[int] = field(default_factory=lambda: list(DECODE_LENGTHS))
-    new_tokens: int = 32
+    new_tokens: int = 32  # per round
+    rounds: int = 6  # interleaved rounds of new_tokens tokens per contestant
     window: int = 512
     hidden: int = 256
     heads: int = 4
@@ -60,6 +66,8 @@ class DecodeSettings:
         problems = []
         if self.hidden % self.heads or self.heads % self.kv_heads:
             problems.append(f"--hidden {self.hidden}, --heads {self.heads}, kv heads {self.kv_heads} do not divide")
+        if self.rounds < 1:
+            problems.append(f"--repeats (rounds) must be >= 1, got {self.rounds}")
         if self.new_tokens < 3:
             problems.append(f"--new_tokens must be >= 3 (gaps between tokens are timed), got {self.new_tokens}")
         if not self.lengths or min(self.lengths) < 1:
@@ -158,28 +166,68 @@ def cache_refusal(contestant: DecodeContestant, settings: DecodeSettings) -> str
     return None
 
 
-def measure_decode(contestant: DecodeContestant, settings: DecodeSettings, n: int) -> dict[str, Any]:
-    model = build_model(contestant, settings, n)
-    generator = torch.Generator().manual_seed(n)
-    prompt = torch.randint(3, settings.vocab, (settings.batch, n), generator=generator)
-    greedy = dict(do_sample=False, pad_token_id=0)
-    clock = TokenClock()
-    with torch.inference_mode():
-        model.generate(prompt[:, :64], max_new_tokens=4, min_new_tokens=4, **greedy)  # first-call overheads
+def _generate(model, ids: torch.Tensor, new_tokens: int, **options: Any):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                          **options)  # fmt: skip
+
+
+def measure_decode(contestants: list[DecodeContestant], settings: DecodeSettings, n: int) -> dict[str, Any]:
+    """Every contestant at prompt length n in one process, timed in interleaved rounds.
+
+    Each contestant's model prefills the prompt once (``generate`` of one token: ``first_token_s``); then, in each
+    of ``settings.rounds`` rounds, every contestant's ``generate`` continues its own sequence and cache by
+    ``new_tokens`` tokens, in alternating order (forwards, then backwards). Host noise that lasts longer than a
+    round (other tenants, frequency changes) so falls on every contestant alike, and the per-round ratios between
+    two contestants are paired. Returns ``{"status": "ok", "results": {name: result}}``; a contestant that raises
+    gets an error result and the others go on.
+    """
+    prompt = torch.randint(3, settings.vocab, (settings.batch, n), generator=torch.Generator().manual_seed(n))
+    results: dict[str, dict[str, Any]] = {}
+    running: dict[str, list] = {}  # name -> [model, sequences, cache]
+
+    def attempt(name: str, step, *args) -> None:
+        started = time.perf_counter()
+        try:
+            step(*args)
+        except Exception as exc:  # recorded in the table; the other contestants go on
+            running.pop(name, None)
+            results[name] = {"status": "error", "error": describe_error(exc)}
+        if name in results:
+            results[name]["seconds"] = results[name].get("seconds", 0.0) + time.perf_counter() - started
+
+    def prefill(contestant: DecodeContestant) -> None:
+        model = build_model(contestant, settings, n)
+        _generate(model, prompt[:, :64], 4)  # first-call overheads, untimed
+        clock = TokenClock()
         start = time.perf_counter()
-        out = model.generate(
-            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=settings.new_tokens,
-            min_new_tokens=settings.new_tokens, streamer=clock, return_dict_in_generate=True, **greedy,
-        )
-    gaps = clock.token_gaps()
-    return {
-        "status": "ok",
-        "ms_per_token": 1e3 * statistics.median(gaps),
-        "ms_per_token_min": 1e3 * min(gaps),
-        "first_token_s": clock.stamps[1] - start,
-        "cache_bytes": cache_nbytes(out.cache),
-        "cache_class": type(out.cache).__name__,
-    }
+        out = _generate(model, prompt, 1, streamer=clock)
+        running[contestant.name] = [model, out.sequences, out.cache]
+        results[contestant.name] = {"status": "ok", "first_token_s": clock.stamps[1] - start, "gaps": [],
+                                    "round_ms": []}
+
+    def one_round(name: str) -> None:
+        model, sequences, cache = running[name]
+        clock = TokenClock()
+        out = _generate(model, sequences, settings.new_tokens, streamer=clock, cache=cache)
+        running[name][1:] = [out.sequences, out.cache]
+        gaps = clock.token_gaps()
+        results[name]["gaps"] += gaps
+        results[name]["round_ms"].append(1e3 * statistics.median(gaps))
+
+    with torch.inference_mode():
+        for contestant in contestants:
+            attempt(contestant.name, prefill, contestant)
+        names = [c.name for c in contestants]
+        for round_ in range(settings.rounds):
+            for name in names if round_ % 2 == 0 else names[::-1]:
+                if name in running:
+                    attempt(name, one_round, name)
+    for name, (_, _, cache) in running.items():
+        gaps = results[name].pop("gaps")
+        results[name].update(ms_per_token=1e3 * statistics.median(gaps), ms_per_token_min=1e3 * min(gaps),
+                             cache_bytes=cache_nbytes(cache), cache_class=type(cache).__name__)
+    return {"status": "ok", "results": results}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -200,6 +248,22 @@ def _skip_note(contestant: DecodeContestant, settings: DecodeSettings, n: int, h
     return None
 
 
+def _measure_length(runner: Runner, contestants: list[DecodeContestant], settings: DecodeSettings,
+                    n: int) -> dict[str, dict[str, Any]]:
+    """Each contestant's result at n: all of them in one process (paired rounds); if that process dies or times
+    out (one contestant outgrew the machine), each again in a process of its own, so one does not sink the rest."""
+    timeout = len(contestants) * (60 + 3 * settings.max_seconds)
+    together = runner.run(measure_decode, contestants, settings, n, timeout=timeout)
+    if together["status"] == "ok" or len(contestants) == 1:
+        return together.get("results") or {c.name: together for c in contestants}
+    results = {}
+    for contestant in contestants:
+        alone = runner.run(measure_decode, [contestant], settings, n, timeout=60 + 3 * settings.max_seconds)
+        result = alone["results"][contestant.name] if alone["status"] == "ok" else alone
+        results[contestant.name] = {**result, "note": f"measured alone (the shared process: {together['error']})"}
+    return results
+
+
 def run_decode_benchmark(settings: DecodeSettings, contestants: list[DecodeContestant],
                          progress: bool = True) -> dict[str, Any]:
     from tqdm.auto import tqdm
@@ -209,28 +273,25 @@ def run_decode_benchmark(settings: DecodeSettings, contestants: list[DecodeConte
     histories = {c.name: History() for c in contestants}
     refusals = {c.name: cache_refusal(c, settings) for c in contestants}
     rows = []
-    bar = tqdm(total=len(contestants) * len(settings.lengths), disable=not progress, desc="zoo bench --decode")
+    bar = tqdm(total=len(settings.lengths), disable=not progress, desc="zoo bench --decode")
     for n in settings.lengths:
+        bar.set_postfix_str(f"n={n}")
+        notes = {c.name: f"skipped: {refusals[c.name]}" if refusals[c.name]
+                 else _skip_note(c, settings, n, histories[c.name]) for c in contestants}
+        measured = [c for c in contestants if not notes[c.name]]
+        results = _measure_length(runner, measured, settings, n) if measured else {}
         for contestant in contestants:
-            bar.set_postfix_str(f"{contestant.name} n={n}")
-            history = histories[contestant.name]
-            refusal = refusals[contestant.name]
-            note = f"skipped: {refusal}" if refusal else _skip_note(contestant, settings, n, history)
-            if note:
-                rows.append(_row(contestant, n, status="skipped", note=note))
+            history, result = histories[contestant.name], results.get(contestant.name)
+            if result is None:
+                rows.append(_row(contestant, n, status="skipped", note=notes[contestant.name]))
+            elif result["status"] == "ok":
+                history.times.append((n, result["seconds"]))
+                rows.append(_row(contestant, n, cache_mb=result["cache_bytes"] / MB, note=result.get("note", ""),
+                                 **{key: result[key] for key in MEASURED}))
             else:
-                started = time.perf_counter()
-                result = runner.run(measure_decode, contestant, settings, n, timeout=60 + 3 * settings.max_seconds)
-                if result["status"] == "ok":
-                    history.times.append((n, time.perf_counter() - started))
-                    rows.append(_row(contestant, n, ms_per_token=result["ms_per_token"],
-                                     ms_per_token_min=result["ms_per_token_min"],
-                                     first_token_s=result["first_token_s"], cache_mb=result["cache_bytes"] / MB,
-                                     cache_class=result["cache_class"]))
-                else:
-                    history.failed_at, history.failure = n, result["error"]
-                    rows.append(_row(contestant, n, status="error", note=f"error: {result['error']}"))
-            bar.update()
+                history.failed_at, history.failure = n, result["error"]
+                rows.append(_row(contestant, n, status="error", note=f"error: {result['error']}"))
+        bar.update()
     bar.close()
     return {
         "machine": machine_info(settings),
@@ -244,6 +305,7 @@ def run_decode_benchmark(settings: DecodeSettings, contestants: list[DecodeConte
 # the report
 
 
+MEASURED = ["ms_per_token", "ms_per_token_min", "round_ms", "first_token_s", "cache_class"]
 CSV_FIELDS = ["variant", "kind", "n", "status", "ms_per_token", "ms_per_token_min", "first_token_s", "cache_mb",
               "cache_class", "note"]
 
@@ -252,8 +314,16 @@ def _ok(rows: list[dict[str, Any]], name: str, n: int) -> dict[str, Any] | None:
     return next((r for r in rows if r["variant"] == name and r["n"] == n and r["status"] == "ok"), None)
 
 
+def paired_speedup(mine: dict[str, Any], theirs: dict[str, Any]) -> tuple[float, float, float]:
+    """How many times faster per token ``mine`` is than ``theirs``: the median over the rounds of the ratio of
+    their round's median gap to mine (the two ran back to back in each round), with the lowest and highest."""
+    ratios = sorted(t / m for m, t in zip(mine["round_ms"], theirs["round_ms"], strict=True))
+    return statistics.median(ratios), ratios[0], ratios[-1]
+
+
 def _versus_table(report: dict[str, Any], peer: str) -> list[str]:
-    """Per length: how many times faster per token than ``peer``, and the fraction of its cache bytes."""
+    """Per length: how many times faster per token than ``peer`` (paired over the rounds, with the range), and the
+    fraction of its cache bytes."""
     rows, lengths = report["rows"], report["settings"]["lengths"]
     lines = []
     for name in report["contestants"]:
@@ -265,7 +335,8 @@ def _versus_table(report: dict[str, Any], peer: str) -> list[str]:
             if mine is None or theirs is None:
                 cells.append("–")
             else:
-                cells.append(f"{theirs['ms_per_token'] / mine['ms_per_token']:.1f}x, "
+                median, low, high = paired_speedup(mine, theirs)
+                cells.append(f"{median:.2f}x ({low:.2f}–{high:.2f}), "
                              f"{mine['cache_mb'] / max(theirs['cache_mb'], 1e-9):.3g} of cache")
         lines.append([name, *cells])
     return markdown_table(["vs " + peer, *(f"n={n}" for n in lengths)], lines)
@@ -296,9 +367,11 @@ def render_markdown(report: dict[str, Any], command: str) -> str:
         f"Command: `{command}`",
         "",
         f"Tiny Llama: hidden {s['hidden']}, {s['heads']} heads ({s['kv_heads']} kv), {s['layers']} layers, vocab "
-        f"{s['vocab']}, fp32, batch {s['batch']}; greedy `model.generate` of {s['new_tokens']} tokens after an "
-        f"n-token prompt; time per token = median gap between a streamer's time stamps (first token excluded); "
-        f"cache = bytes of the tensors in the cache `generate` returns. Window {s['window']} keys. "
+        f"{s['vocab']}, fp32, batch {s['batch']}. Per prompt length n, all contestants in one process: each "
+        f"prefills an n-token prompt once, then greedy `model.generate` continues its own sequence and cache by "
+        f"{s['new_tokens']} tokens in each of {s['rounds']} rounds, the contestants taking turns in alternating "
+        f"order; time per token = median gap between a streamer's time stamps over the rounds (each call's first "
+        f"token excluded); cache = bytes of the tensors in the cache after the last round. Window {s['window']} keys. "
         f"Machine: {m.get('cpu', '?')}, {s['threads']} threads, torch {m.get('torch', '?')}, "
         f"transformers {m.get('transformers', '?')}.",
         "",
@@ -314,12 +387,17 @@ def render_markdown(report: dict[str, Any], command: str) -> str:
         "",
         "## Against the peers (times faster per token, fraction of their cache bytes)",
         "",
+        f"Paired: the median over the {s['rounds']} rounds of the peer's median gap over the contestant's in the "
+        f"same round (lowest–highest round in brackets).",
+        "",
     ]
     for peer in PEERS:
         if peer in report["contestants"]:
             lines += [*_versus_table(report, peer), ""]
+    alone = [f"- **{r['variant']}** (n={r['n']}): {r['note']}" for r in report["rows"]
+             if r["status"] == "ok" and r["note"]]
     lines += ["## Growth with the prompt", "", *_growth_table(report), "", "## Errors", "",
-              *errors_section(report["rows"]), ""]
+              *errors_section(report["rows"]), *alone, ""]
     return "\n".join(lines)
 
 
