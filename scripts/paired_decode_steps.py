@@ -38,14 +38,14 @@ def main() -> None:
             model = build_model(contestant, settings, args.length)
             cache = DynamicCache(config=model.config) if name in PEERS else ZooCache(variant_for(model.config),
                                                                                      model.config)
-            logits = model(prompt, past_key_values=cache, use_cache=True).logits
+            logits = model(prompt, cache=cache, use_cache=True).logits
             running[name] = [model, cache, logits[:, -1:].argmax(-1), torch.ones(1, args.length + 1, dtype=torch.long)]
         for round_ in range(args.rounds):
             for name in args.contestants if round_ % 2 == 0 else args.contestants[::-1]:
                 model, cache, token, mask = running[name]
                 for _ in range(args.steps):
                     start = time.perf_counter()
-                    token = model(token, past_key_values=cache, attention_mask=mask, use_cache=True).logits.argmax(-1)
+                    token = model(token, cache=cache, attention_mask=mask, use_cache=True).logits.argmax(-1)
                     times[name].append(time.perf_counter() - start)
                     mask = torch.cat([mask, mask.new_ones(1, 1)], dim=1)
                 running[name][2:] = [token, mask]

@@ -93,7 +93,7 @@ def add_subcommand(subparsers) -> None:
     add_flag(p, "threads", type=POSITIVE, default=None, help="torch threads (default: torch's default here)")
     add_flag(p, "repeats", type=POSITIVE,
              help="timed iterations per measurement (default 3; quick 1; --decode: rounds of --new_tokens tokens "
-             "per contestant, default 6)")
+             "per contestant, default 8)")
     add_flag(p, "warmup", type=number(int, 0), help="untimed iterations first (default 1)")
     add_flag(p, "max_seconds", type=SECONDS,
              help="skip a combination whose estimated time for one iteration exceeds this (default 120)")
