@@ -418,14 +418,18 @@ def test_decode_records_a_contestant_that_raises_and_measures_the_others(monkeyp
     assert results["transformers_sdpa"]["status"] == "ok" and len(results["transformers_sdpa"]["round_ms"]) == 2
 
 
-def test_decode_compares_with_a_peer_by_the_median_of_paired_rounds():
-    """A host slowdown in one round hits both contestants of that round: the paired ratio ignores it, where the
-    ratio of the two medians would not."""
-    from zoo.bench.decode import paired_speedup
+def test_decode_compares_with_a_peer_by_the_medians_over_all_rounds_and_shows_single_rounds_beside():
+    from zoo.bench.decode import speedup
 
-    peer = {"round_ms": [2.0, 2.0, 6.0, 6.0, 6.0]}
-    mine = {"round_ms": [1.9, 1.9, 1.9, 5.7, 5.7]}  # 5% faster than the peer in every round but one (3.2x)
-    assert paired_speedup(mine, peer) == pytest.approx((6.0 / 5.7, 2.0 / 1.9, 6.0 / 1.9))
+    peer = {"ms_per_token": 4.0, "round_ms": [2.0, 2.0, 6.0, 6.0, 6.0]}
+    mine = {"ms_per_token": 3.8, "round_ms": [1.9, 1.9, 1.9, 5.7, 5.7]}  # a slow stretch lands on other rounds
+    assert speedup(mine, peer) == pytest.approx((4.0 / 3.8, 2.0 / 1.9, 6.0 / 1.9))
+    report = {"settings": {"lengths": [64], "rounds": 5}, "contestants": {"mine": {}, "peer": {}}, "rows": [
+        {"variant": "mine", "n": 64, "status": "ok", "cache_mb": 1.0, **mine},
+        {"variant": "peer", "n": 64, "status": "ok", "cache_mb": 4.0, **peer}]}
+    from zoo.bench.decode import _versus_table
+
+    assert _versus_table(report, "peer")[-1] == "| mine | 1.05x (1.05–3.16), 0.25 of cache |"
 
 
 def test_decode_measures_each_contestant_alone_when_the_shared_process_dies(monkeypatch):

@@ -5,11 +5,11 @@ A tiny Llama (hidden 256, 4 heads, 2 layers, fp32, batch 1 by default) decodes g
 cap (:class:`zoo.bench.measure.Runner`): each prefills once, then the contestants take turns, in ``rounds``
 rounds of alternating order, continuing their own sequence and cache by ``new_tokens`` tokens. A single
 ``generate`` per contestant, each in a fresh process, moved by more than the differences measured (±50% on a
-shared 2-core host); taking turns puts slow host noise on every contestant alike, and the ratio to a peer is
-paired per round. The time per token is the median gap between the time stamps a streamer records as tokens
-arrive (each call's first gap left out); the cache bytes are those of the cache after the last round
-(``zoo.cache_nbytes``). Should the shared process die (a contestant outgrew the machine), each contestant at that
-n is measured again in a process of its own.
+shared 2-core host); taking turns puts slow host noise on every contestant alike. The time per token is the
+median gap between the time stamps a streamer records as tokens arrive, over all rounds (each call's first gap
+left out); the cache bytes are those of the cache after the last round (``zoo.cache_nbytes``). Should the shared
+process die (a contestant outgrew the machine), each contestant at that n is measured again in a process of its
+own.
 
 Contestants: every registered causal variant (``dense`` only when asked: it materializes n x n scores in the
 prefill), each with the cache ``generate`` gives it, and two peers in the same run: ``transformers_sdpa`` (plain
@@ -179,9 +179,9 @@ def measure_decode(contestants: list[DecodeContestant], settings: DecodeSettings
     Each contestant's model prefills the prompt once (``generate`` of one token: ``first_token_s``); then, in each
     of ``settings.rounds`` rounds, every contestant's ``generate`` continues its own sequence and cache by
     ``new_tokens`` tokens, in alternating order (forwards, then backwards). Host noise that lasts longer than a
-    round (other tenants, frequency changes) so falls on every contestant alike, and the per-round ratios between
-    two contestants are paired. Returns ``{"status": "ok", "results": {name: result}}``; a contestant that raises
-    gets an error result and the others go on.
+    round (other tenants, frequency changes) so falls on every contestant alike. Returns
+    ``{"status": "ok", "results": {name: result}}``; a contestant that raises gets an error result and the others
+    go on.
     """
     prompt = torch.randint(3, settings.vocab, (settings.batch, n), generator=torch.Generator().manual_seed(n))
     results: dict[str, dict[str, Any]] = {}
@@ -251,7 +251,7 @@ def _skip_note(contestant: DecodeContestant, settings: DecodeSettings, n: int, h
 
 def _measure_length(runner: Runner, contestants: list[DecodeContestant], settings: DecodeSettings,
                     n: int) -> dict[str, dict[str, Any]]:
-    """Each contestant's result at n: all of them in one process (paired rounds); if that process dies or times
+    """Each contestant's result at n: all of them in one process (taking turns); if that process dies or times
     out (one contestant outgrew the machine), each again in a process of its own, so one does not sink the rest."""
     timeout = len(contestants) * (60 + 3 * settings.max_seconds)
     together = runner.run(measure_decode, contestants, settings, n, timeout=timeout)
@@ -315,16 +315,17 @@ def _ok(rows: list[dict[str, Any]], name: str, n: int) -> dict[str, Any] | None:
     return next((r for r in rows if r["variant"] == name and r["n"] == n and r["status"] == "ok"), None)
 
 
-def paired_speedup(mine: dict[str, Any], theirs: dict[str, Any]) -> tuple[float, float, float]:
-    """How many times faster per token ``mine`` is than ``theirs``: the median over the rounds of the ratio of
-    their round's median gap to mine (the two ran back to back in each round), with the lowest and highest."""
-    ratios = sorted(t / m for m, t in zip(mine["round_ms"], theirs["round_ms"], strict=True))
-    return statistics.median(ratios), ratios[0], ratios[-1]
+def speedup(mine: dict[str, Any], theirs: dict[str, Any]) -> tuple[float, float, float]:
+    """How many times faster per token ``mine`` is than ``theirs``: the ratio of their medians over every round's
+    gaps (both took turns over the same stretch of time), with the lowest and highest ratio of a single round's
+    medians (a round's two turns lie up to a round apart: their spread shows the host's)."""
+    rounds = sorted(t / m for m, t in zip(mine["round_ms"], theirs["round_ms"], strict=True))
+    return theirs["ms_per_token"] / mine["ms_per_token"], rounds[0], rounds[-1]
 
 
 def _versus_table(report: dict[str, Any], peer: str) -> list[str]:
-    """Per length: how many times faster per token than ``peer`` (paired over the rounds, with the range), and the
-    fraction of its cache bytes."""
+    """Per length: how many times faster per token than ``peer`` (with the range of single rounds), and the fraction
+    of its cache bytes."""
     rows, lengths = report["rows"], report["settings"]["lengths"]
     lines = []
     for name in report["contestants"]:
@@ -336,8 +337,8 @@ def _versus_table(report: dict[str, Any], peer: str) -> list[str]:
             if mine is None or theirs is None:
                 cells.append("–")
             else:
-                median, low, high = paired_speedup(mine, theirs)
-                cells.append(f"{median:.2f}x ({low:.2f}–{high:.2f}), "
+                ratio, low, high = speedup(mine, theirs)
+                cells.append(f"{ratio:.2f}x ({low:.2f}–{high:.2f}), "
                              f"{mine['cache_mb'] / max(theirs['cache_mb'], 1e-9):.3g} of cache")
         lines.append([name, *cells])
     return markdown_table(["vs " + peer, *(f"n={n}" for n in lengths)], lines)
@@ -388,8 +389,8 @@ def render_markdown(report: dict[str, Any], command: str) -> str:
         "",
         "## Against the peers (times faster per token, fraction of their cache bytes)",
         "",
-        f"Paired: the median over the {s['rounds']} rounds of the peer's median gap over the contestant's in the "
-        f"same round (lowest–highest round in brackets).",
+        f"The peer's milliseconds per token over the contestant's (both medians over all {s['rounds']} rounds); in "
+        f"brackets the lowest and highest ratio of a single round's medians.",
         "",
     ]
     for peer in PEERS:
