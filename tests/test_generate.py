@@ -423,10 +423,10 @@ def test_the_reused_decoding_pattern_follows_new_kwargs_and_row_starts():
 
 @pytest.mark.parametrize("variant", ["longformer-sinks", "xformers-window"])
 def test_a_windowed_decoding_step_over_real_keys_builds_no_mask_and_reads_no_whole_mask(monkeypatch, variant):
-    """generate passes a padding mask over every token seen. Once each row's start is known, a step reads only the
-    kept keys' columns of it (no row_starts over the whole context) and, when those are all real tokens, runs the
-    plain window without a mask; with padding among the kept keys it masks. Tokens equal use_cache=False decoding
-    both ways (issue 29, item 5)."""
+    """A left-padded batch: generate passes a padding mask over every token seen. Once each row's start is known, a
+    step reads only the kept keys' columns of it (no row_starts over the whole context) and, once the padding has left
+    the window, runs the plain window without a mask; with padding among the kept keys it masks. Tokens equal
+    use_cache=False decoding both ways (issue 29, item 5)."""
     import zoo.ops.selected as selected
     import zoo.plug.dispatch as dispatch
 
@@ -439,22 +439,22 @@ def test_a_windowed_decoding_step_over_real_keys_builds_no_mask_and_reads_no_who
         return real_rows_attention(q_rows, k, v, allowed, call)
 
     def counting(padding_mask):
-        whole_mask_reads.append(None if padding_mask is None else padding_mask.shape[-1])
+        whole_mask_reads.append(padding_mask.shape[-1])
         return real_row_starts(padding_mask)
 
     monkeypatch.setattr(selected, "rows_attention", recording)
     monkeypatch.setattr(dispatch, "row_starts", counting)
-    ids = _prompts(length=24, batch=1)[0]
-    out = _generate(model, ids, torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8)
-    assert len(masks) == 2 * 7 and all(mask is None for mask in masks)  # 2 layers x 7 steps after the prefill
-    assert len(whole_mask_reads) == 2  # the prefill call of each layer only
-    masks.clear()
-    ids, mask = _prompts(length=8, batch=2, left_pad=6)  # padding among the kept keys
-    padded = _generate(model, ids, mask, max_new_tokens=2, min_new_tokens=2)
-    assert masks and all(mask is not None for mask in masks)
+    runs = {}
+    for left_pad, length in ((5, 24), (6, 8)):  # the padding leaves the window at the prefill / stays in it
+        ids, mask = _prompts(length=length, batch=2, left_pad=left_pad)
+        mask[1, :left_pad] = 0  # both rows padded alike: the sinks (counted from the first real token) agree
+        masks.clear()
+        whole_mask_reads.clear()
+        runs[left_pad] = (ids, mask, _generate(model, ids, mask, max_new_tokens=8, min_new_tokens=8), list(masks))
+        assert whole_mask_reads == [length, length]  # the prefill call of each layer only
+    assert len(runs[5][3]) == 2 * 7 and all(allowed is None for allowed in runs[5][3])  # 2 layers x 7 steps
+    assert runs[6][3] and all(allowed is not None for allowed in runs[6][3][:2])  # the first step sees padding
     monkeypatch.undo()
-    torch.testing.assert_close(out, _generate(model, _prompts(length=24, batch=1)[0],
-                                              torch.ones(1, 24, dtype=torch.long), use_cache=False,
-                                              max_new_tokens=8, min_new_tokens=8), rtol=0, atol=0)
-    torch.testing.assert_close(padded, _generate(model, ids, mask, use_cache=False, max_new_tokens=2,
-                                                 min_new_tokens=2), rtol=0, atol=0)
+    for ids, mask, tokens, _ in runs.values():
+        torch.testing.assert_close(tokens, _generate(model, ids, mask, use_cache=False, max_new_tokens=8,
+                                                     min_new_tokens=8), rtol=0, atol=0)
