@@ -255,8 +255,10 @@ def _measure_length(runner: Runner, contestants: list[DecodeContestant], setting
     out (one contestant outgrew the machine), each again in a process of its own, so one does not sink the rest."""
     timeout = len(contestants) * (60 + 3 * settings.max_seconds)
     together = runner.run(measure_decode, contestants, settings, n, timeout=timeout)
-    if together["status"] == "ok" or len(contestants) == 1:
-        return together.get("results") or {c.name: together for c in contestants}
+    if together["status"] == "ok":
+        return together["results"]
+    if len(contestants) == 1:
+        return {contestants[0].name: together}
     results = {}
     for contestant in contestants:
         alone = runner.run(measure_decode, [contestant], settings, n, timeout=60 + 3 * settings.max_seconds)
