@@ -6,6 +6,10 @@ CHANGELOG.md): the names below, :mod:`zoo.call`, :mod:`zoo.pattern`, :mod:`zoo.c
 :mod:`zoo.testing` and ``pytest --pyargs zoo.contract``.
 """
 
+from zoo.compat import check_transformers
+
+check_transformers()  # before anything else: a transformers below the floor would run silently wrong
+
 from zoo.cache import cache_nbytes
 from zoo.call import AttentionCall
 from zoo.convert import from_longformer, longify
@@ -26,7 +30,7 @@ from zoo.variant import PLUGIN_API_VERSION, LayerWeights, Param, Variant, Varian
 
 install()
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "IMPLEMENTATION",

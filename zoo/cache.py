@@ -159,7 +159,9 @@ class WindowedLayer(_SeenTokens, DynamicLayer):
         self.positions = torch.zeros(0, dtype=torch.long, device=self.device)
         self.is_sink = torch.zeros(0, dtype=torch.bool, device=self.device)
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs: Any) -> None:
+        """Keep every key until the next ``crop`` (assisted decoding). Keywords (transformers 5.25's
+        ``recurrent_states_to_keep``: how many recurrent states to record) concern recurrent layers only."""
         self.record_past = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):

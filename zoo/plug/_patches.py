@@ -3,7 +3,8 @@
 transformers has no public hook at these points, so each is a wrapper (``PATCHES``): ``PretrainedConfig.to_dict``
 (persist ``attn_implementation``), ``PreTrainedModel.get_correct_attn_implementation`` (validate at construction),
 ``GenerationMixin._prepare_cache_for_generation`` (decode with the variant's own cache), ``PreTrainedModel.post_init``
-(attach variant weights) and ``PreTrainedModel._initialize_missing_keys`` (initialise the ones a checkpoint lacked).
+(attach variant weights), ``PreTrainedModel._initialize_missing_keys`` (initialise the ones a checkpoint lacked) and
+``PreTrainedModel.set_use_kernels`` (hub kernels must not replace the attention a zoo model runs).
 Each passes ``*args, **kwargs`` through, binds what it reads by name, acts only on zoo configs and models, and is
 left unpatched with a warning when :func:`check_patch_targets` finds the symbol changed. Private symbols used
 elsewhere are in ``PRIVATE_USES``; each has a canary in ``tests/test_patches.py``.
@@ -53,7 +54,8 @@ PREPARE_CACHE = Patch(
 )
 POST_INIT = Patch(PreTrainedModel, "post_init", ("self",))
 INITIALIZE_MISSING_KEYS = Patch(PreTrainedModel, "_initialize_missing_keys", ("self",))
-PATCHES = (TO_DICT, RESOLVE_IMPLEMENTATION, PREPARE_CACHE, POST_INIT, INITIALIZE_MISSING_KEYS)
+SET_USE_KERNELS = Patch(PreTrainedModel, "set_use_kernels", ("self", "use_kernels"))
+PATCHES = (TO_DICT, RESOLVE_IMPLEMENTATION, PREPARE_CACHE, POST_INIT, INITIALIZE_MISSING_KEYS, SET_USE_KERNELS)
 
 
 def _problem(patch: Patch) -> str | None:
@@ -95,6 +97,7 @@ def apply(
     prepare_generation_cache: Callable[[Any, dict[str, Any], Callable[[], Any]], Any],
     model_built: Callable[[PreTrainedModel], None] | None = None,
     checkpoint_loaded: Callable[[PreTrainedModel], None] | None = None,
+    kernels_set: Callable[[PreTrainedModel], None] | None = None,
 ) -> None:
     """Install the wrappers (idempotent: a second call wraps the originals again, never a wrapper).
 
@@ -103,7 +106,8 @@ def apply(
     ``prepare_generation_cache(model, arguments, run_original)`` gets generate's arguments bound by name and a
     callable running the original (it must call it: it alone knows whether the model is a zoo model).
     ``model_built(model)`` runs after ``post_init``, ``checkpoint_loaded(model)`` after
-    ``_initialize_missing_keys`` (each patch is installed only when its callback is given).
+    ``_initialize_missing_keys``, ``kernels_set(model)`` after ``set_use_kernels`` (which ``from_pretrained`` calls
+    to kernelize; each of these patches is installed only when its callback is given).
     """
 
     def make_to_dict(original: Callable) -> Callable:
@@ -152,6 +156,8 @@ def apply(
         _wrap(POST_INIT, run_after(model_built))
     if checkpoint_loaded is not None:
         _wrap(INITIALIZE_MISSING_KEYS, run_after(checkpoint_loaded))
+    if kernels_set is not None:
+        _wrap(SET_USE_KERNELS, run_after(kernels_set))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -196,6 +202,13 @@ def declared_attention_classes(model: torch.nn.Module) -> tuple[set[type], set[s
                 elif isinstance(target, str) or getattr(entry, "class_name", None):
                     names.add(getattr(entry, "class_name", None) or target)
     return classes, names
+
+
+def forward_replaced(module: torch.nn.Module) -> bool:
+    """True when ``module.forward`` was replaced on the instance, as the ``kernels`` library's ``kernelize`` does
+    (``module.forward = MethodType(layer.forward, module)``) to swap in a hub kernel; a reset binds the class's own."""
+    forward = vars(module).get("forward")
+    return forward is not None and getattr(forward, "__func__", forward) is not type(module).forward
 
 
 def calls_attention_interface(cls: type) -> bool:

@@ -115,6 +115,7 @@ def install() -> None:
         prepare_generation_cache=prepare_generation_cache,
         model_built=_attach_weights,
         checkpoint_loaded=_initialize_missing_weights,
+        kernels_set=check_attention_not_kernelized,
     )
     _installed = True
 
@@ -184,6 +185,26 @@ def _attach_weights(model: PreTrainedModel) -> None:
     """End of a model's __init__ (from_config and from_pretrained): the variant's per-layer weights, if any."""
     if zoo_variant_of(model.config) is not None:
         attach(model, zoo_variant_of)
+
+
+def check_attention_not_kernelized(model: PreTrainedModel) -> None:
+    """After hub kernels were applied (``from_pretrained(use_kernels=True)``, the default from transformers 5.25):
+    they replace the ``forward`` of the layers their mapping names (norms, activations, rotary, some linear-attention
+    layers), never the attention function a model dispatches to. A mapping that names an attention layer would bypass
+    the zoo's variant without a word, so it is refused here."""
+    variant = zoo_variant_of(model.config)
+    if variant is None:
+        return
+    classes, names = _patches.declared_attention_classes(model)
+    replaced = sorted({name for name, module in model.named_modules()
+                       if (isinstance(module, tuple(classes)) or type(module).__name__ in names)
+                       and _patches.forward_replaced(module)})
+    if replaced:
+        raise ValueError(
+            f"Hub kernels replaced the forward of {len(replaced)} attention layers of this attention-zoo model "
+            f"({replaced[0]}, ...): the variant {variant.name!r} would no longer run. "
+            "Load it with use_kernels=False, or give a kernel_config whose mapping leaves the attention layers out."
+        )
 
 
 def _initialize_missing_weights(model: PreTrainedModel) -> None:
