@@ -1,9 +1,9 @@
 """attention-zoo: a plugin-based zoo of long-context attention variants for Hugging Face transformers.
 
 ``import zoo`` registers the ``attention_zoo`` attention implementation with transformers, so models
-saved with a variant load back with it. What a plugin may use (plugin API :data:`PLUGIN_API_VERSION`, changes in
-CHANGELOG.md): the names below, :mod:`zoo.call`, :mod:`zoo.pattern`, :mod:`zoo.cache`, the kernels of :mod:`zoo.ops`,
-:mod:`zoo.testing` and ``pytest --pyargs zoo.contract``.
+saved with a variant load back with it. What a plugin may use (plugin API `PLUGIN_API_VERSION`, changes in
+CHANGELOG.md): the names below, `zoo.call`, `zoo.pattern`, `zoo.cache`, the kernels of `zoo.ops`,
+`zoo.testing` and ``pytest --pyargs zoo.contract``.
 """
 
 from zoo.compat import check_transformers

@@ -3,8 +3,8 @@
 The zoo relies on transformers behaviour that changed within 5.x (the mask function's ``q_length`` since 5.4, a
 config's saved ``attn_implementation`` kept since 5.4, ``cache=`` reaching the model since 5.24): below the floor it
 would run, and answer wrong without an error, so importing it there is refused. Above the newest release tested it
-imports with a warning. ``scripts/compat_check.sh`` runs the suite on each release named here (docs: README,
-"Supported transformers").
+imports with a warning. ``scripts/compat_check.sh`` runs the suite on each release named here (docs:
+docs/guides/supported-transformers.md).
 """
 
 from __future__ import annotations
@@ -32,7 +32,14 @@ def supported_range() -> str:
 
 
 def check_transformers(installed: str | None = None) -> None:
-    """Refuse a transformers older than :data:`FLOOR`; warn once for one newer than :data:`NEWEST_TESTED`."""
+    """Refuse a transformers older than `FLOOR`; warn once for one newer than `NEWEST_TESTED`.
+
+    Args:
+        installed: the version to judge; None: the installed transformers.
+
+    Raises:
+        UnsupportedTransformersError: the release is below `FLOOR` (the message names it, the range and the fix).
+    """
     installed = installed or importlib.metadata.version("transformers")
     release = Version(installed).release[:2]
     if release < Version(FLOOR).release[:2]:

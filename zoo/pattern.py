@@ -1,11 +1,11 @@
-"""Attention patterns: which keys each query may see, said once per variant as one :class:`Pattern`.
+"""Attention patterns: which keys each query may see, said once per variant as one `Pattern`.
 
 A pattern's predicate is a ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` (the shape of transformers'
 ``masking_utils`` mask functions and FlexAttention's ``mask_mod``), composed from the small named predicates below
-with :func:`or_masks` / :func:`and_masks`. It says nothing about causality or padding: the plug adds those once
-(:func:`with_causality_and_padding`). Beside it, structural hints that kernels, the decoding cache and FLOPs read:
+with `or_masks` / `and_masks`. It says nothing about causality or padding: the plug adds those once
+(`with_causality_and_padding`). Beside it, structural hints that kernels, the decoding cache and FLOPs read:
 ``reach``, ``sinks``, ``global_queries`` (what a windowed cache keeps), ``block_size`` with ``key_blocks`` (the key
-blocks each query block reads, for the shared chunked kernel :mod:`zoo.ops.patterned`; :func:`band_key_blocks` for a
+blocks each query block reads, for the shared chunked kernel `zoo.ops.patterned`; `band_key_blocks` for a
 band; no built-in variant sets it) and ``whole_blocks`` (constant on block tiles counted from each row's
 ``block_origin``, its first real token: BigBird sets it with ``block_size``) and ``plain_window`` (a band of
 ``reach`` with its sinks and nothing less: one decoding query over a windowed cache's selection needs no mask).
@@ -51,7 +51,15 @@ __all__ = [
 
 
 def band(reach: int, dilation: int = 1) -> MaskMod:
-    """``|q − kv| ≤ reach`` and ``(q − kv) mod dilation == 0``: a (dilated) sliding window."""
+    """A (dilated) sliding window: ``|q − kv| ≤ reach`` and ``(q − kv) mod dilation == 0``.
+
+    Args:
+        reach: how far (in tokens) a query sees on each side; causality is added by the plug, not here.
+        dilation: keep every ``dilation``-th key of the window (1: every key).
+
+    Returns:
+        The predicate ``(b, h, q_idx, kv_idx) -> bool``.
+    """
 
     def band_mask(b, h, q_idx, kv_idx):
         offset = q_idx - kv_idx
@@ -62,7 +70,14 @@ def band(reach: int, dilation: int = 1) -> MaskMod:
 
 
 def residue_columns(stride: int) -> MaskMod:
-    """``(q − kv) mod stride == 0``: every stride-th key counted from the query (Sparse Transformer's columns)."""
+    """Every stride-th key counted from the query, ``(q − kv) mod stride == 0`` (Sparse Transformer's columns).
+
+    Args:
+        stride: the distance between two columns.
+
+    Returns:
+        The predicate ``(b, h, q_idx, kv_idx) -> bool``.
+    """
 
     def residue_mask(b, h, q_idx, kv_idx):
         return (q_idx - kv_idx) % stride == 0
@@ -71,8 +86,16 @@ def residue_columns(stride: int) -> MaskMod:
 
 
 def same_block(size: int, row_start: torch.Tensor | None = None) -> MaskMod:
-    """``⌊q / size⌋ == ⌊kv / size⌋``: the query's own block, blocks counted from each row's first real token
-    (``row_start`` (B|1,) long; None: from 0)."""
+    """The query's own block, ``⌊q / size⌋ == ⌊kv / size⌋``, blocks counted from each row's first real token.
+
+    Args:
+        size: the block size in tokens.
+        row_start: (batch or 1,) long, each row's first real token (`AttentionCall.row_start`); None: every row
+            starts at 0.
+
+    Returns:
+        The predicate ``(b, h, q_idx, kv_idx) -> bool``.
+    """
 
     def same_block_mask(b, h, q_idx, kv_idx):
         start = _start(row_start, b)
@@ -82,8 +105,16 @@ def same_block(size: int, row_start: torch.Tensor | None = None) -> MaskMod:
 
 
 def summary_columns(stride: int, count: int, row_start: torch.Tensor | None = None) -> MaskMod:
-    """``kv mod stride ≥ stride − count``: the last ``count`` tokens of every block of ``stride`` (for everyone),
-    blocks counted from each row's first real token (``row_start``; None: from 0)."""
+    """The last ``count`` tokens of every block of ``stride``, seen by every query: ``kv mod stride ≥ stride − count``.
+
+    Args:
+        stride: the block size in tokens (Sparse Transformer's ``fixed`` layout).
+        count: summary tokens per block.
+        row_start: (batch or 1,) long, each row's first real token; None: blocks counted from 0.
+
+    Returns:
+        The predicate ``(b, h, q_idx, kv_idx) -> bool``.
+    """
 
     def summary_mask(b, h, q_idx, kv_idx):
         return (kv_idx - _start(row_start, b)) % stride >= stride - count
@@ -98,9 +129,14 @@ def _start(row_start: torch.Tensor | None, b):
 
 @dataclass(frozen=True)
 class TokenSet:
-    """Tokens singled out by position (global tokens, sinks): ``offsets`` count from each row's first real token
-    (``row_start``, (B|1,) long, None = every row starts at 0) and ``marked`` (B|1, L) bool marks positions of the
-    sequence itself (a per-row ``global_attention_mask`` over the first L tokens). ``set(b, idx) -> bool``."""
+    """Tokens singled out by position (global tokens, sinks); calling it, ``tokens(b, idx) -> bool``, tells membership.
+
+    Attributes:
+        offsets: positions counted from each row's first real token.
+        marked: (batch or 1, L) bool, positions of the sequence itself (a per-row ``global_attention_mask`` over the
+            first L tokens), or None.
+        row_start: (batch or 1,) long, each row's first real token; None: every row starts at 0.
+    """
 
     offsets: tuple[int, ...] = ()
     marked: torch.Tensor | None = None
@@ -141,7 +177,14 @@ def _row(per_row: torch.Tensor, b):
 
 
 def global_rows(tokens: TokenSet) -> MaskMod:
-    """Queries in ``tokens`` see every key."""
+    """Queries in ``tokens`` see every key.
+
+    Args:
+        tokens: the global queries.
+
+    Returns:
+        The predicate ``(b, h, q_idx, kv_idx) -> bool``.
+    """
 
     def global_rows_mask(b, h, q_idx, kv_idx):
         return tokens(b, q_idx)
@@ -150,7 +193,14 @@ def global_rows(tokens: TokenSet) -> MaskMod:
 
 
 def global_columns(tokens: TokenSet) -> MaskMod:
-    """Keys in ``tokens`` are seen by every query."""
+    """Keys in ``tokens`` are seen by every query.
+
+    Args:
+        tokens: the global keys (Longformer's global tokens, StreamingLLM's sinks).
+
+    Returns:
+        The predicate ``(b, h, q_idx, kv_idx) -> bool``.
+    """
 
     def global_columns_mask(b, h, q_idx, kv_idx):
         return tokens(b, kv_idx)
@@ -159,10 +209,17 @@ def global_columns(tokens: TokenSet) -> MaskMod:
 
 
 def row_starts(padding_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """(B,) position of each row's first real token (left padding), or None when every row starts at 0.
+    """The position of each row's first real token (left padding).
 
     Inside a compiled graph the starts are returned even when all are 0 (deciding that would read the tensor on the
-    host and break the graph); zeros mean the same as None to every consumer."""
+    host and break the graph); zeros mean the same as None to every consumer.
+
+    Args:
+        padding_mask: (batch, n) bool or int, nonzero for real tokens, or None.
+
+    Returns:
+        (batch,) long, or None when every row starts at 0.
+    """
     if padding_mask is None:
         return None
     starts = padding_mask.to(torch.uint8).argmax(-1)
@@ -172,7 +229,16 @@ def row_starts(padding_mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def with_causality_and_padding(mask_mod: MaskMod | None, causal: bool, padding_mask: torch.Tensor | None):
-    """``mask_mod`` and causality and padding (``padding_mask`` (B, kv_len) over the key positions), or None."""
+    """A predicate with the plug's causal and padding rules added.
+
+    Args:
+        mask_mod: the pattern's predicate, or None (every key).
+        causal: add ``kv_idx ≤ q_idx``.
+        padding_mask: (batch, kv_len) bool over the key positions, True for real tokens, or None.
+
+    Returns:
+        The combined predicate, or None when nothing restricts the call.
+    """
     parts = [m for m in (mask_mod, causal_mask_function if causal else None) if m is not None]
     if padding_mask is not None:
         parts.append(padding_mask_function(padding_mask))
@@ -189,7 +255,18 @@ def with_causality_and_padding(mask_mod: MaskMod | None, causal: bool, padding_m
 class Pattern:
     """Which keys each query may see (before causality and padding), and the hints derived from the same rule.
 
-    Calling a pattern evaluates its predicate: ``pattern(b, h, q_idx, kv_idx)``.
+    Calling a pattern evaluates its predicate: ``pattern(b, h, q_idx, kv_idx)``. From it come the test reference, the
+    decoding cache, the FlexAttention block mask and, with block hints, an exact chunked kernel.
+
+    Attributes:
+        mask_mod: the predicate ``(b, h, q_idx, kv_idx) -> bool``.
+        reach: the farthest key behind a query the band reaches (a windowed cache keeps the last ``reach`` keys);
+            None: unbounded.
+        sinks: keys every query sees and a windowed cache keeps forever.
+        global_queries: queries that see every key.
+        block_size: the tile size of ``key_blocks`` and ``whole_blocks``.
+        key_blocks: maps (query blocks,) long to (query blocks, K) long, the key blocks each query block reads (-1:
+            none); what the shared chunked kernel and the FLOP count use.
     """
 
     mask_mod: MaskMod
@@ -200,21 +277,21 @@ class Pattern:
     key_blocks: Callable[[torch.Tensor], torch.Tensor] | None = None
     whole_blocks: bool = False
     """The predicate is constant on each ``block_size`` x ``block_size`` tile (BigBird's block layout): one pair
-    per tile decides the tile (:mod:`zoo.ops.flex` builds its block mask from that)."""
+    per tile decides the tile (`zoo.ops.flex` builds its block mask from that)."""
     block_origin: torch.Tensor | None = None
     """(B|1,) long: where each row's whole blocks start (its first real token, so the blocks do not move with the
     amount of padding); None: every row's blocks start at 0."""
     plain_window: bool = False
     """Every key within ``reach`` behind a query and every sink is in the pattern (a sliding window with sinks, no
     holes such as a dilation): what a windowed cache selects for one query past the ``global_queries`` is then
-    exactly that query's keys, and a decoding step needs no mask (:func:`zoo.ops.selected.selected_attention`)."""
+    exactly that query's keys, and a decoding step needs no mask (`zoo.ops.selected.selected_attention`)."""
 
     def __call__(self, b, h, q_idx, kv_idx):
         return self.mask_mod(b, h, q_idx, kv_idx)
 
     @property
     def runs_on_flex(self) -> bool:
-        """Whether FlexAttention may run it (not a bare predicate of plugin API 1: :class:`PredicateOnly`)."""
+        """Whether FlexAttention may run it (not a bare predicate of plugin API 1: `PredicateOnly`)."""
         return True
 
 
@@ -231,7 +308,11 @@ class PredicateOnly(Pattern):
 
 def dense_mask(mask_mod: MaskMod | None, causal: bool, padding_mask, batch: int, heads: int, q_len: int, kv_len: int,
                device=None, positions: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The O(n²) mask of ``mask_mod`` with causality and padding; None when nothing restricts the call."""
+    """The O(n²) mask of ``mask_mod`` with causality and padding (tests and references only).
+
+    Returns:
+        (batch, heads, q_len, kv_len) bool, or None when nothing restricts the call.
+    """
     device = device if device is not None else (padding_mask.device if padding_mask is not None else "cpu")
     span = kv_len  # positions 0 .. span - 1 (known without reading positions on the host)
     if positions is None:
@@ -254,8 +335,18 @@ def dense_mask(mask_mod: MaskMod | None, causal: bool, padding_mask, batch: int,
 
 
 def band_key_blocks(reach: int, block: int, sinks: TokenSet | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A ``key_blocks`` hint: the key blocks within ``reach`` of each query block and, first, the blocks holding
-    ``sinks`` (the positions up to its last one). Returns fn(query blocks (G,)) -> (G, R) (out-of-range allowed)."""
+    """A ``key_blocks`` hint for a band: the key blocks within ``reach`` of each query block and, first, the blocks
+    holding ``sinks`` (the positions up to its last one).
+
+    Args:
+        reach: the band's reach in tokens.
+        block: the block size in tokens (the pattern's ``block_size``).
+        sinks: the pattern's sinks, or None.
+
+    Returns:
+        A function from query blocks (G,) long to key blocks (G, R) long (out-of-range indices allowed: the kernel
+        drops them).
+    """
     side = -(-reach // block)
     around = torch.arange(-side, side + 1)
     sink_blocks = torch.arange(-(-(sinks.last_position() + 1) // block)) if sinks else torch.zeros(0, dtype=torch.long)

@@ -1,7 +1,7 @@
 """Variant registry: entry points (group ``attention_zoo.variants``) plus in-process registration.
 
 The registry never imports a variant module itself; entry points (or the caller of
-:func:`register_variant`) do. A plugin that fails to import is reported with a warning and recorded,
+`register_variant`) do. A plugin that fails to import is reported with a warning and recorded,
 so every other variant keeps working and asking for the broken one re-raises its cause.
 """
 
@@ -113,7 +113,18 @@ def _check_variant_class(cls: object, ep_name: str) -> None:
 
 
 def register_variant(cls: type[Variant]) -> type[Variant]:
-    """Register a variant class in this process (usable as a decorator, e.g. in a notebook)."""
+    """Register a variant class in this process, beside the entry-point plugins (usable as a decorator).
+
+    Args:
+        cls: a `zoo.Variant` subclass; its ``name`` is the name `zoo.configure` takes.
+
+    Returns:
+        ``cls`` unchanged.
+
+    Raises:
+        TypeError: the class cannot be used (``params`` not `zoo.Param`s, ``test_params`` naming no parameter, neither
+            causal nor bidirectional).
+    """
     _check_variant_class(cls, cls.name)
     _discover()
     _add(cls.name, _Entry(cls, Source(IN_PROCESS, "", f"{cls.__module__}.{cls.__qualname__}")))
@@ -121,19 +132,41 @@ def register_variant(cls: type[Variant]) -> type[Variant]:
 
 
 def unregister_variant(name: str) -> None:
-    """Remove an in-process registration (tests, notebooks)."""
+    """Remove an in-process registration (tests, notebooks); entry-point plugins stay.
+
+    Args:
+        name: the registered variant's name.
+    """
     entry = _entries.get(name)
     if entry is not None and entry.source.distribution == IN_PROCESS:
         del _entries[name]
 
 
 def list_variants() -> list[str]:
-    """Names of every available variant (broken plugins excluded)."""
+    """Names of every available variant: built-in, plugins and in-process registrations.
+
+    Returns:
+        The sorted names; a plugin that fails to import or whose name two packages claim is left out (``zoo list``
+        shows it with its problem).
+    """
     _discover()
     return sorted(n for n, e in _entries.items() if e.cls is not None and e.conflict is None)
 
 
 def get_variant_class(name: str) -> type[Variant]:
+    """The class registered under ``name``.
+
+    Args:
+        name: a variant name (`list_variants`).
+
+    Returns:
+        The `zoo.Variant` subclass.
+
+    Raises:
+        UnknownVariantError: no such variant (the error suggests close names and lists the available ones).
+        VariantConflictError: two installed packages claim the name.
+        BrokenVariantError: its plugin failed to import.
+    """
     _discover()
     entry = _entries.get(name)
     if entry is None:
@@ -157,12 +190,13 @@ def get_variant_class(name: str) -> type[Variant]:
 
 
 def variant_source(name: str) -> Source:
+    """Where the working variant ``name`` comes from (raises as `get_variant_class` does)."""
     get_variant_class(name)
     return _entries[name].source
 
 
 def source_of(name: str) -> Source:
-    """Where an announced name comes from, broken or not (:func:`variant_source` raises for a broken one)."""
+    """Where an announced name comes from, broken or not (`variant_source` raises for a broken one)."""
     _discover()
     return _entries[name].source
 

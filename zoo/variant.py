@@ -4,14 +4,14 @@ A variant file holds two things side by side:
 
 * its **pattern** -- for sparse variants an index predicate ``(batch, head, q_idx, kv_idx) -> bool``
   in the style of ``transformers.masking_utils`` (the spec the tests hold the kernel to), and
-* its **kernel** -- :meth:`Variant.attend`, the fast implementation.
+* its **kernel** -- `Variant.attend`, the fast implementation.
 
-The plug (:func:`zoo.plug.dispatch.run_variant`) hands the kernel grouped-query-expanded ``q, k, v`` of shape
-``(batch, heads, seq, head_dim)`` and an :class:`~zoo.call.AttentionCall` describing causality, padding,
+The plug (`zoo.plug.dispatch.run_variant`) hands the kernel grouped-query-expanded ``q, k, v`` of shape
+``(batch, heads, seq, head_dim)`` and an `zoo.call.AttentionCall` describing causality, padding,
 scaling and dropout. The kernel returns ``(batch, heads, q_len, head_dim)``.
 
-This module, :mod:`zoo.call`, :mod:`zoo.pattern`, :mod:`zoo.cache`, :mod:`zoo.ops` and :mod:`zoo.testing` are the
-plugin API (:data:`PLUGIN_API_VERSION`, changes in CHANGELOG.md).
+This module, `zoo.call`, `zoo.pattern`, `zoo.cache`, `zoo.ops` and `zoo.testing` are the
+plugin API (`PLUGIN_API_VERSION`, changes in CHANGELOG.md).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ __all__ = ["AttentionCall", "LayerWeights", "PLUGIN_API_VERSION", "Param", "Vari
            "reference"]
 
 PLUGIN_API_VERSION = 2
-"""The version of the plugin API (what README's "Writing a variant" uses). 1: attention-zoo 0.1.0, where
-``pattern()`` returned a bare predicate; 2: ``pattern()`` returns a :class:`zoo.pattern.Pattern` (CHANGELOG.md)."""
+"""The version of the plugin API (what docs/plugins/index.md, "Writing a variant", uses). 1: attention-zoo 0.1.0, where
+``pattern()`` returned a bare predicate; 2: ``pattern()`` returns a `zoo.pattern.Pattern` (CHANGELOG.md)."""
 
 logger = logging.getLogger(__name__)
 
@@ -126,12 +126,12 @@ _INSTANCE_MEMBERS = ("config",)  # set in Variant.__init__, not on the class
 
 
 class LayerWeights(torch.nn.Module):
-    """Base class of a variant's learned per-layer weights (what :meth:`Variant.make_module` returns), declaring the
+    """Base class of a variant's learned per-layer weights (what `Variant.make_module` returns), declaring the
     two optional hooks the zoo calls (a plain ``nn.Module`` works too, without hooks):
 
     * ``needs_hidden_states = True``: the attention module's input is in ``self.hidden_states`` during the call
       (Longformer's global projections project the hidden states, not the layer's q/k/v);
-    * :meth:`initialize_from`: derive initial values from the layer's own weights, once they are final.
+    * `initialize_from`: derive initial values from the layer's own weights, once they are final.
     """
 
     needs_hidden_states: ClassVar[bool] = False
@@ -153,8 +153,8 @@ class Variant:
     * ``exact`` -- True if the output equals softmax attention restricted to ``pattern`` (fp32, atol 1e-5).
     * ``supports_causal`` / ``supports_bidirectional``.
     * ``time_complexity`` / ``memory_complexity`` -- in n (sequence length), e.g. ``"O(n·w)"``.
-    * ``params`` -- ``{name: Param}``; validated at :func:`zoo.configure` time. Read a parameter as an attribute
-      (``self.window``), a ``per_layer`` one with :meth:`per_layer`. A parameter may not be named like a member
+    * ``params`` -- ``{name: Param}``; validated at `zoo.configure` time. Read a parameter as an attribute
+      (``self.window``), a ``per_layer`` one with `per_layer`. A parameter may not be named like a member
       of the class (``name``, ``exact``, ``flops``, ``pattern``, ``config``, a method of your own...): that is
       an error when the class is defined.
     * ``renamed_params`` -- ``{old name: new name}`` for parameters renamed since models were saved: an old name
@@ -171,7 +171,7 @@ class Variant:
     * ``padding_amount_invariant`` -- True (the default) when a row's outputs at its real tokens do not depend on
       how much padding its batch adds (what the pattern depends on counts from each row's first real token and
       its own length); a variant for which that cannot hold sets False and says why in
-      ``padding_amount_reason`` (the contract suite then skips the check, README lists it).
+      ``padding_amount_reason`` (the contract suite then skips the check, docs/guides/supported-models.md lists it).
     """
 
     name: ClassVar[str] = ""
@@ -246,7 +246,7 @@ class Variant:
         self.check_config()
 
     def check_config(self) -> None:
-        """Cross-parameter validation hook (raise :class:`VariantParameterError`)."""
+        """Cross-parameter validation hook (raise `VariantParameterError`)."""
 
     @classmethod
     def check_state(cls, state: Mapping[str, Any]) -> None:
@@ -270,8 +270,17 @@ class Variant:
         """Forward FLOPs of the attention core (QK^T and PV) at length n; the benchmark's GFLOP/s uses it.
 
         The default: a variant that runs on the shared pattern kernel (no ``attend`` of its own) counts what its
-        pattern's block hints make that kernel compute (:func:`zoo.ops.patterned.pattern_flops`); any other counts
+        pattern's block hints make that kernel compute (`zoo.ops.patterned.pattern_flops`); any other counts
         dense attention. Variants with kernels of their own override it with their kernel's cost.
+
+        Args:
+            n: the sequence length.
+            heads: attention heads.
+            head_dim: the size of each head.
+            causal: count causal attention.
+
+        Returns:
+            Forward FLOPs of one call (batch 1).
         """
         if not self.overrides("attend"):
             pattern = self.pattern(AttentionCall(causal=causal, scaling=1.0), n, n)
@@ -288,9 +297,18 @@ class Variant:
         its constructor (PyTorch's default init, or your own): the zoo seeds the random generator per layer, so the
         values are deterministic -- a checkpoint without them gets the same ones. ``config`` is the model's
         transformers config (e.g. ``config.max_position_embeddings``, ``config.hidden_size``). A
-        :class:`LayerWeights` subclass declares the optional hooks: ``needs_hidden_states = True`` finds the attention
+        `LayerWeights` subclass declares the optional hooks: ``needs_hidden_states = True`` finds the attention
         module's input in ``.hidden_states`` during the call; ``initialize_from(attention_module)`` derives its values
         from the layer's own weights (called once they are final, also for a checkpoint that lacks the variant's).
+
+        Args:
+            layer_idx: the index of the attention layer.
+            config: the model's transformers config.
+            head_dim: the size of each attention head.
+            num_heads: the query heads of the layer.
+
+        Returns:
+            An ``nn.Module`` (a `LayerWeights` to declare its hooks), or None.
         """
         return None
 
@@ -308,15 +326,25 @@ class Variant:
     supports_cross_attention: ClassVar[bool] = False
 
     def pattern(self, call: AttentionCall, q_len: int, kv_len: int) -> Pattern | None:
-        """The keys each query may see, before causality and padding (:class:`zoo.pattern.Pattern`); None = all.
+        """The keys each query may see, before causality and padding; the plug adds both.
 
         The one definition the reference, the decoding masks, the default cache and (for pattern-only plugins)
-        the chunked kernel read."""
+        the chunked kernel read. It may read ``call.row_start``, ``call.layer_idx`` and ``call.extra``, never the
+        per-step positions (they reach the predicate as its arguments).
+
+        Args:
+            call: the call (causal, padding, row starts, layer).
+            q_len: the number of queries.
+            kv_len: the number of keys.
+
+        Returns:
+            A `zoo.pattern.Pattern`, or None when every key is allowed.
+        """
         return None
 
     def reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         """Optional hook: the O(n²) readable definition of an attention that is not softmax restricted to
-        ``pattern`` (e.g. ``linear``); tests only. A variant declares it by overriding it (:meth:`overrides`)."""
+        ``pattern`` (e.g. ``linear``); tests only. A variant declares it by overriding it (`overrides`)."""
         raise NotImplementedError
 
     def check_call(self, call: AttentionCall, where: str = "") -> None:
@@ -339,12 +367,25 @@ class Variant:
 
     @classmethod
     def overrides(cls, hook: str) -> bool:
-        """True when this class overrides the optional hook ``hook`` of :class:`Variant` (e.g. ``"reference"``)."""
+        """True when this class overrides the optional hook ``hook`` of `Variant` (e.g. ``"reference"``)."""
         return getattr(cls, hook) is not getattr(Variant, hook)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
-        """The kernel. The default runs the variant's pattern on the shared chunked kernels
-        (:func:`zoo.ops.patterned.pattern_attention`) when it carries block hints (``block_size``, ``key_blocks``)."""
+        """The kernel: attention of the queries over the keys, as ``call`` describes it.
+
+        The default runs the variant's pattern on the shared chunked kernels (`zoo.ops.patterned.pattern_attention`)
+        when it carries block hints (``block_size``, ``key_blocks``). The plug has already checked causal, dropout and
+        cross-attention support (`check_call`) and zeroes padded query rows afterwards.
+
+        Args:
+            q: (batch, heads, q_len, head_dim) queries.
+            k: (batch, heads, kv_len, head_dim) keys, grouped-query heads already expanded.
+            v: (batch, heads, kv_len, head_dim) values.
+            call: everything else about the call (`zoo.call.AttentionCall`).
+
+        Returns:
+            (batch, heads, q_len, head_dim), the dtype of ``q``.
+        """
         pattern = self.pattern(call, q.shape[-2], k.shape[-2])
         if pattern is None or pattern.key_blocks is None:
             raise NotImplementedError(
@@ -357,10 +398,17 @@ class Variant:
     def cache_layer(self, layer_idx: int, config: Any) -> CacheLayerMixin:
         """The decoding cache layer of one decoder layer (``config``: the model's text config).
 
-        The default follows the variant's causal pattern (:func:`zoo.cache.pattern_cache_layer`): a finite
-        ``reach`` keeps the sinks and the last ``reach`` keys (a :class:`zoo.cache.WindowedLayer`); otherwise every
+        The default follows the variant's causal pattern (`zoo.cache.pattern_cache_layer`): a finite
+        ``reach`` keeps the sinks and the last ``reach`` keys (a `zoo.cache.WindowedLayer`); otherwise every
         key (transformers' ``DynamicLayer``). Variants that need something else (a recurrent state) return a layer
-        of :mod:`zoo.cache` and read it back in ``attend`` through ``call.cache``.
+        of `zoo.cache` and read it back in ``attend`` through ``call.cache``.
+
+        Args:
+            layer_idx: the index of the decoder layer.
+            config: the model's text config.
+
+        Returns:
+            A transformers cache layer (``CacheLayerMixin``); raise ``ValueError`` to refuse decoding with a cache.
         """
         return pattern_cache_layer(self, layer_idx)
 
@@ -381,7 +429,7 @@ class Variant:
 def reference(variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
     """What the kernel must equal (exact) or approximate: the variant's own ``reference`` if it defines
     one, else softmax attention restricted to its pattern, causality and padding (O(n²), tests only).
-    Padded query rows are zero, as :func:`zoo.plug.dispatch.run_variant` makes them."""
+    Padded query rows are zero, as `zoo.plug.dispatch.run_variant` makes them."""
     if variant.overrides("reference"):
         out = variant.reference(q, k, v, call)
     else:
@@ -405,8 +453,8 @@ def plugin_label(cls: type) -> str:
 
 
 def _returning_a_pattern(cls: type, pattern_fn: Callable) -> Callable:
-    """``pattern_fn`` checked: a :class:`Pattern` or None passes; a bare predicate (plugin API 1) is wrapped as a
-    :class:`~zoo.pattern.PredicateOnly` with one DeprecationWarning; anything else is a TypeError naming the fix."""
+    """``pattern_fn`` checked: a `Pattern` or None passes; a bare predicate (plugin API 1) is wrapped as a
+    `zoo.pattern.PredicateOnly` with one DeprecationWarning; anything else is a TypeError naming the fix."""
     if getattr(pattern_fn, "returns_a_pattern", False):
         return pattern_fn
 

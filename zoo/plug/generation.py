@@ -18,9 +18,18 @@ from zoo.variant import Variant
 
 
 def make_cache(model: PreTrainedModel | PretrainedConfig) -> ZooCache:
-    """A fresh decoding cache for the model's variant: ``model.generate(..., cache=zoo.make_cache(model))`` or
-    ``model(input_ids, cache=cache, use_cache=True)`` in a loop of your own. ``generate`` builds one by itself
-    when no cache is given; each generation needs its own (the state lives in the cache, not on the model)."""
+    """A fresh decoding cache for the model's variant.
+
+    Use it as ``model.generate(..., cache=zoo.make_cache(model))`` or ``model(input_ids, cache=cache,
+    use_cache=True)`` in a loop of your own. ``generate`` builds one by itself when no cache is given; each
+    generation needs its own (the state lives in the cache, not on the model).
+
+    Args:
+        model: a model configured with a zoo variant, or its config.
+
+    Returns:
+        A `zoo.cache.ZooCache` whose layers the variant chose (a window, a recurrent state, every key, ...).
+    """
     config = model.config if isinstance(model, PreTrainedModel) else model
     if not _uses_zoo(config):
         raise ValueError(
