@@ -1,4 +1,4 @@
-"""Decoding with the variant's own cache (zoo/cache.py): ``generate`` equals ``use_cache=False`` decoding for every
+"""Decoding with the variant's own cache (zoo/cache/): ``generate`` equals ``use_cache=False`` decoding for every
 causal variant and family, the cache stays bounded where the variant says so, and every cache that would decode
 different tokens is refused."""
 
@@ -10,7 +10,16 @@ import transformers
 from transformers.cache_utils import DynamicCache, DynamicLayer, StaticCache
 
 import zoo
-from zoo.cache import CacheRollbackError, GrowingLayer, RecurrentLayer, WindowedLayer, ZooCache, cache_nbytes
+from zoo.cache import (
+    CacheRollbackError,
+    GrowingLayer,
+    RecurrentLayer,
+    WindowedLayer,
+    ZooCache,
+    ZooCacheLayer,
+    cache_nbytes,
+    hand_to_kernel,
+)
 
 SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 FAMILIES = {
@@ -371,6 +380,65 @@ def test_the_decoding_contract_catches_a_cache_that_drops_a_reachable_key(cls, f
             assert_decodes_like_the_full_forward(cls.name)
     finally:
         zoo.unregister_variant(cls.name)
+
+
+class _RecordingLayer(ZooCacheLayer, DynamicLayer):
+    """A plugin's own cache layer: every key, recording what the plug tells it through the cache-layer protocol."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen, self.heard = 0, []
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        hand_to_kernel(self, kwargs)
+        keys, values = DynamicLayer.update(self, key_states, value_states)
+        self.seen, self.new_tokens = keys.shape[-2], key_states.shape[-2]
+        self.key_positions = torch.arange(self.seen)
+        return keys, values
+
+    def set_row_start(self, row_start):
+        self.heard.append(("row_start", None if row_start is None else row_start.tolist()))
+        self.row_start, self.rows_known = row_start, True
+
+    def kept_keys_padding(self, attention_mask):
+        self.heard.append(("kept_keys_padding", self.seen))
+        return super().kept_keys_padding(attention_mask)
+
+    def after_call(self):
+        self.heard.append(("after_call", self.seen))
+
+
+class _RecordingCache(zoo.Variant):
+    name = "test_recording_cache"
+    exact = True
+    time_complexity = memory_complexity = "O(n²)"
+
+    def attend(self, q, k, v, call):
+        return zoo.get_variant_class("sdpa")().attend(q, k, v, call)
+
+    def cache_layer(self, layer_idx, config):
+        return _RecordingLayer()
+
+
+def test_a_plugins_own_cache_layer_hears_the_plug_through_the_protocol():
+    """The plug names no cache class: any ZooCacheLayer is told the row starts once, gives the kept keys' padding
+    after that and hears the end of every call; decoding with it equals decoding without a cache."""
+    zoo.register_variant(_RecordingCache)
+    try:
+        config = zoo.configure(transformers.LlamaConfig(**SMALL, num_key_value_heads=2), _RecordingCache.name)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        ids, mask = _prompts()
+        out = _generate(model, ids, mask, max_new_tokens=3, min_new_tokens=3, return_dict_in_generate=True)
+        torch.testing.assert_close(out.sequences, _generate(model, ids, mask, use_cache=False, max_new_tokens=3,
+                                                            min_new_tokens=3), rtol=0, atol=0)
+        for layer in out.past_key_values.layers:
+            assert layer.heard == [("row_start", [5, 0]), ("after_call", 20), ("kept_keys_padding", 21),
+                                   ("after_call", 21), ("kept_keys_padding", 22), ("after_call", 22)]
+    finally:
+        zoo.unregister_variant(_RecordingCache.name)
+    with pytest.raises(TypeError, match="subclass it"):
+        hand_to_kernel(DynamicLayer(), {"kwargs": {}})
 
 
 def test_decoding_steps_reuse_the_pattern_instead_of_rebuilding_it(monkeypatch):

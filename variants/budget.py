@@ -6,7 +6,9 @@ between the chunks of ``generate(prefill_chunk_size=...)``. Scores come from thi
 kept keys, the log-sum-exp; :mod:`zoo.ops.kept`), never from an n x n matrix.
 
 ``zoo.configure(model, "budget", inner="sdpa", tokens=512, sinks=4, recent=64, policy="tova")``; ``tokens`` may be a
-list (one value per layer), or use ``hybrid`` to mix full, window and budgeted layers. While nothing was evicted the
+list (one value per layer), or use ``hybrid`` to mix full, window and budgeted layers. ``policy`` names a KV policy
+(:mod:`zoo.cache.policies`), built in or from a plugin (entry point group ``attention_zoo.kv_policies``), looked up
+once here; the cache and this kernel ask it what to record and how to score. While nothing was evicted the
 inner variant runs the call (so with ``tokens`` >= the context it is ``inner`` exactly); after that each KV head's
 own keys (:func:`zoo.ops.kept.kept_attention`; H2O always, it needs every query's attention mass).
 """
@@ -17,9 +19,9 @@ from typing import Any
 
 import torch
 
-from zoo.cache import POLICIES, BudgetedLayer
+from zoo.cache import POLICIES, BudgetedLayer, Policy
 from zoo.ops.kept import kept_attention
-from zoo.registry import get_variant_class
+from zoo.registry import UnknownPolicyError, get_policy_class, get_variant_class, list_policies
 from zoo.variant import AttentionCall, Param, Variant, VariantParameterError
 
 
@@ -33,7 +35,8 @@ class BudgetAttention(Variant):
         "tokens": Param(512, int, "keys kept per row and KV head, sinks and recent included", min=1, per_layer=True),
         "sinks": Param(4, int, "first real tokens of each row never evicted", min=0),
         "recent": Param(64, int, "most recent tokens never evicted", min=0),
-        "policy": Param("tova", str, "how the other kept keys are chosen", choices=POLICIES),
+        "policy": Param("tova", str, f"how the other kept keys are chosen: a KV policy ({', '.join(POLICIES)} or a "
+                        "plugin's)"),
         "slack": Param(0, int, "evict once more than tokens + slack keys are held (0: after every call)", min=0),
         "window": Param(32, int, "recent queries snapkv and expected_attention score from", min=1),
     }
@@ -55,6 +58,7 @@ class BudgetAttention(Variant):
                 "combine 'budget' and 'longformer' in a 'hybrid'."
             )
         self.inner_variant = inner
+        self.kv_policy = _policy(self.policy)
         for tokens in self.tokens if isinstance(self.tokens, list) else [self.tokens]:
             if tokens < self.sinks + self.recent:
                 raise VariantParameterError(
@@ -64,7 +68,7 @@ class BudgetAttention(Variant):
 
     def cache_layer(self, layer_idx: int, config: Any) -> BudgetedLayer:
         return BudgetedLayer(
-            self.per_layer("tokens", layer_idx), self.sinks, self.recent, self.policy, self.slack, self.window,
+            self.per_layer("tokens", layer_idx), self.sinks, self.recent, self.kv_policy, self.slack, self.window,
             max_positions=getattr(config, "max_position_embeddings", None),
         )
 
@@ -85,3 +89,15 @@ class BudgetAttention(Variant):
 
     def flops(self, n: int, heads: int, head_dim: int, causal: bool = False) -> float:
         return self.inner_variant.flops(n, heads, head_dim, causal)
+
+
+def _policy(name: str) -> Policy:
+    """The KV policy named ``name`` (:func:`zoo.registry.get_policy_class`), or the parameter error saying why not."""
+    try:
+        return get_policy_class(name)()
+    except UnknownPolicyError as exc:
+        allowed = ", ".join(repr(policy) for policy in list_policies())
+        raise VariantParameterError(f"attention-zoo variant 'budget': parameter 'policy' = {name!r} is invalid; "
+                                    f"allowed: one of {allowed}.") from exc
+    except Exception as exc:  # a plugin's policy that failed to import or is claimed twice
+        raise VariantParameterError(f"attention-zoo variant 'budget': parameter 'policy' = {name!r}: {exc}") from exc

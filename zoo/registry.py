@@ -1,21 +1,27 @@
-"""Variant registry: entry points (group ``attention_zoo.variants``) plus in-process registration.
+"""Variant and KV policy registry: entry points (groups ``attention_zoo.variants`` and ``attention_zoo.kv_policies``)
+plus in-process registration.
 
 The registry never imports a variant module itself; entry points (or the caller of
 `register_variant`) do. A plugin that fails to import is reported with a warning and recorded,
-so every other variant keeps working and asking for the broken one re-raises its cause.
+so every other variant keeps working and asking for the broken one re-raises its cause. KV policies
+(`zoo.cache.Policy` subclasses, for the `budget` variant's cache) are found the same way, beside the
+built-in ones.
 """
 
 from __future__ import annotations
 
 import difflib
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
+from zoo.cache.policies import BUILT_IN_POLICIES, Policy
 from zoo.call import AttentionCall
 from zoo.variant import Param, Variant
 
 ENTRY_POINT_GROUP = "attention_zoo.variants"
+POLICY_ENTRY_POINT_GROUP = "attention_zoo.kv_policies"
 IN_PROCESS = "<in-process>"
 
 
@@ -24,12 +30,16 @@ class UnknownVariantError(KeyError):
         return str(self.args[0])
 
 
+class UnknownPolicyError(UnknownVariantError):
+    """No KV policy of that name (built in, or from an installed plugin)."""
+
+
 class VariantConflictError(RuntimeError):
-    """Two sources claim the same variant name."""
+    """Two sources claim the same variant (or KV policy) name."""
 
 
 class BrokenVariantError(ImportError):
-    """The plugin providing a variant failed to import."""
+    """The plugin providing a variant (or KV policy) failed to import."""
 
 
 @dataclass(frozen=True)
@@ -46,29 +56,57 @@ class Source:
 
 @dataclass
 class _Entry:
-    cls: type[Variant] | None
+    cls: type | None  # a Variant or a Policy subclass
     source: Source
     error: BaseException | None = None
     conflict: Source | None = None
 
 
-_entries: dict[str, _Entry] = {}
+_entries: dict[str, _Entry] = {}  # variants
 _discovered = False
+_policy_entries: dict[str, _Entry] = {}  # KV policies
+_policies_discovered = False
 
 
-def _add(name: str, entry: _Entry) -> None:
-    previous = _entries.get(name)
+def _add_to(entries: dict[str, _Entry], kind: str, name: str, entry: _Entry) -> None:
+    previous = entries.get(name)
     if previous is not None and previous.source != entry.source:
         if previous.cls is entry.cls and entry.cls is not None:
             return  # the same class reached twice (entry point + decorator): harmless
         warnings.warn(
-            f"attention-zoo: variant {name!r} is claimed by two sources: {previous.source} and {entry.source}. "
+            f"attention-zoo: {kind} {name!r} is claimed by two sources: {previous.source} and {entry.source}. "
             f"Uninstall one of them; asking for {name!r} raises until then.",
-            stacklevel=3,
+            stacklevel=4,
         )
         previous.conflict = entry.source
         return
-    _entries[name] = entry
+    entries[name] = entry
+
+
+def _add(name: str, entry: _Entry) -> None:
+    _add_to(_entries, "variant", name, entry)
+
+
+def _load_entry_points(group: str, kind: str, check: Callable[[object, str], None],
+                       entries: dict[str, _Entry]) -> None:
+    """Load every entry point of ``group`` into ``entries`` (a :class:`_Entry` per name): ``check(obj, name)`` raises
+    for what the zoo cannot use; a broken plugin is recorded with its error and a warning, and breaks nothing else."""
+    for ep in entry_points(group=group):
+        dist = ep.dist.name if ep.dist is not None else "unknown"
+        version = ep.dist.version if ep.dist is not None else "unknown"
+        source = Source(dist, version, f"{ep.name} = {ep.value}")
+        try:
+            cls = ep.load()
+            check(cls, ep.name)
+        except Exception as exc:  # a broken plugin must not break the zoo
+            warnings.warn(
+                f"attention-zoo: plugin entry point {ep.name!r} ({ep.value}) from distribution {dist} {version} "
+                f"failed to load: {exc!r}. Other {kind}s still work.",
+                stacklevel=3,
+            )
+            _add_to(entries, kind, ep.name, _Entry(None, source, error=exc))
+            continue
+        _add_to(entries, kind, cls.name, _Entry(cls, source))
 
 
 def _discover() -> None:
@@ -76,22 +114,7 @@ def _discover() -> None:
     if _discovered:
         return
     _discovered = True
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        dist = ep.dist.name if ep.dist is not None else "unknown"
-        version = ep.dist.version if ep.dist is not None else "unknown"
-        source = Source(dist, version, f"{ep.name} = {ep.value}")
-        try:
-            cls = ep.load()
-            _check_variant_class(cls, ep.name)
-        except Exception as exc:  # a broken plugin must not break the zoo
-            warnings.warn(
-                f"attention-zoo: plugin entry point {ep.name!r} ({ep.value}) from distribution {dist} {version} "
-                f"failed to load: {exc!r}. Other variants still work.",
-                stacklevel=2,
-            )
-            _add(ep.name, _Entry(None, source, error=exc))
-            continue
-        _add(cls.name, _Entry(cls, source))
+    _load_entry_points(ENTRY_POINT_GROUP, "variant", _check_variant_class, _entries)
 
 
 def _check_variant_class(cls: object, ep_name: str) -> None:
@@ -168,23 +191,28 @@ def get_variant_class(name: str) -> type[Variant]:
         BrokenVariantError: its plugin failed to import.
     """
     _discover()
-    entry = _entries.get(name)
+    return _usable(_entries, "variant", name, ENTRY_POINT_GROUP, list_variants(), UnknownVariantError)
+
+
+def _usable(entries: dict[str, _Entry], kind: str, name: str, group: str, available: list[str],
+            unknown: type[UnknownVariantError]) -> type:
+    """The class registered as ``name``, or the error that says why there is none (unknown, claimed twice, broken)."""
+    entry = entries.get(name)
     if entry is None:
-        close = difflib.get_close_matches(name, list(_entries), n=3)
+        close = difflib.get_close_matches(name, list(entries), n=3)
         hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
-        raise UnknownVariantError(
-            f"attention-zoo has no variant {name!r}.{hint} Available: {', '.join(list_variants())}. "
-            f"A plugin variant must be installed (pip install ...) and declare an entry point in the "
-            f"{ENTRY_POINT_GROUP!r} group."
+        raise unknown(
+            f"attention-zoo has no {kind} {name!r}.{hint} Available: {', '.join(available)}. "
+            f"A plugin {kind} must be installed (pip install ...) and declare an entry point in the {group!r} group."
         )
     if entry.conflict is not None:
         raise VariantConflictError(
-            f"attention-zoo variant {name!r} is provided twice: by {entry.source} and by {entry.conflict}. "
+            f"attention-zoo {kind} {name!r} is provided twice: by {entry.source} and by {entry.conflict}. "
             "Uninstall one of the two packages."
         )
     if entry.cls is None:
         raise BrokenVariantError(
-            f"attention-zoo variant {name!r} ({entry.source}) failed to import: {entry.error!r}"
+            f"attention-zoo {kind} {name!r} ({entry.source}) failed to import: {entry.error!r}"
         ) from entry.error
     return entry.cls
 
@@ -225,3 +253,53 @@ def names_with_sources() -> list[str]:
     """Every name a plugin announced, broken ones included (``zoo list``)."""
     _discover()
     return sorted(_entries)
+
+
+# ------------------------------------------------------------------------------------------------------
+# KV policies (zoo.cache.policies): the built-in ones, then entry points of the group POLICY_ENTRY_POINT_GROUP
+
+
+def _discover_policies() -> None:
+    global _policies_discovered
+    if _policies_discovered:
+        return
+    _policies_discovered = True
+    for name, cls in BUILT_IN_POLICIES.items():
+        source = Source("attention-zoo", "(built in)", f"{name} = {cls.__module__}:{cls.__qualname__}")
+        _add_to(_policy_entries, "KV policy", name, _Entry(cls, source))
+    _load_entry_points(POLICY_ENTRY_POINT_GROUP, "KV policy", _check_policy_class, _policy_entries)
+
+
+def _check_policy_class(cls: object, ep_name: str) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, Policy)):
+        raise TypeError(f"entry point {ep_name!r} must point to a zoo.cache.Policy subclass, got {cls!r}")
+    if cls.name != ep_name:
+        raise TypeError(f"entry point name {ep_name!r} differs from the KV policy's name {cls.name!r}")
+    if cls.score is Policy.score:
+        raise TypeError(f"KV policy {ep_name!r}: override score(layer) (the (B, Hk, K) score of every held key).")
+
+
+def register_policy(cls: type[Policy]) -> type[Policy]:
+    """Register a KV policy class in this process (usable as a decorator)."""
+    _check_policy_class(cls, cls.name)
+    _discover_policies()
+    _add_to(_policy_entries, "KV policy", cls.name, _Entry(cls, Source(IN_PROCESS, "", f"{cls.__module__}."
+                                                                                         f"{cls.__qualname__}")))
+    return cls
+
+
+def list_policies() -> list[str]:
+    """Names of every available KV policy, built-in and from plugins (broken plugins excluded)."""
+    _discover_policies()
+    return sorted(n for n, e in _policy_entries.items() if e.cls is not None and e.conflict is None)
+
+
+def get_policy_class(name: str) -> type[Policy]:
+    """The KV policy class named ``name`` (built in or from a plugin's ``attention_zoo.kv_policies`` entry point)."""
+    _discover_policies()
+    return _usable(_policy_entries, "KV policy", name, POLICY_ENTRY_POINT_GROUP, list_policies(), UnknownPolicyError)
+
+
+def policy_source(name: str) -> Source:
+    get_policy_class(name)
+    return _policy_entries[name].source

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from zoo.cache import LAYER_KWARG, WindowedLayer
+from zoo.cache import LAYER_KWARG
 from zoo.call import AttentionCall
 from zoo.ops import expand_kv, flex
 from zoo.pattern import row_starts
@@ -74,16 +74,16 @@ def zoo_attention_forward(
     q_len, kv_len = query.shape[-2], key.shape[-2]
     cross = is_cross_attention(module) or (q_len != kv_len and not causal)
     spec = getattr(config, CONFIG_KEY)
-    cache_layer = kwargs.pop(LAYER_KWARG, None)  # our cache layer, handed over by its update() (zoo.cache)
+    # a zoo cache layer, handed over by its update(): the plug speaks to it through zoo.cache.ZooCacheLayer only
+    cache_layer = kwargs.pop(LAYER_KWARG, None)
     positions, decoding = None, kv_len > q_len and not cross
-    if isinstance(cache_layer, WindowedLayer) and cache_layer.rows_known:  # a later call: row starts known
-        row_start, padding_mask = cache_layer.row_start, kept_keys_padding(cache_layer, attention_mask)
+    if cache_layer is not None and cache_layer.rows_known:  # a later call: the layer holds the row starts
+        row_start, padding_mask = cache_layer.row_start, cache_layer.kept_keys_padding(attention_mask)
     else:
         padding_mask = attention_mask.bool() if attention_mask is not None else None
         row_start = None if cross else row_starts(padding_mask)  # over every token seen (before key_columns)
-        if isinstance(cache_layer, WindowedLayer):  # it marks each row's sinks from where the row starts
-            cache_layer.set_row_start(row_start)
         if cache_layer is not None:
+            cache_layer.set_row_start(row_start)  # e.g. a window cache marks each row's sinks from where it starts
             padding_mask = cache_layer.key_columns(padding_mask)
     if cache_layer is not None:
         positions, decoding = cache_layer.key_positions, cache_layer.seen > q_len
@@ -111,21 +111,9 @@ def zoo_attention_forward(
             out = run_variant(variant, query, key, value, call)
     else:  # no context to enter on every call (a decoding step is a few dozen small ops)
         out = run_variant(variant, query, key, value, call)
-    if isinstance(cache_layer, WindowedLayer):
-        cache_layer.after_call()  # the keys were read: drop what no later query reaches
+    if cache_layer is not None:
+        cache_layer.after_call()  # the keys were read (a window cache drops what no later query reaches)
     return out.transpose(1, 2).contiguous(), None
-
-
-def kept_keys_padding(layer: WindowedLayer, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """The padding mask over the keys a windowed cache hands the kernel, or None when all of them are real tokens:
-    then padding changes nothing (the queries are the last keys) and a decoding step runs without a mask. Only the
-    kept keys' columns are read: no work in the length of the context per step."""
-    if attention_mask is None:
-        return None
-    real = layer.key_columns(attention_mask).bool()
-    if torch.compiler.is_compiling() or not bool(real.all()):
-        return real
-    return None
 
 
 def compute_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, device_type: str | None = None):
