@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from zoo.training import compare
+from zoo.training import compare, compare_report
 
 REPO = Path(__file__).resolve().parents[1]
 TASK = "recipes/configs/mqar/llama_cpu.yaml"  # lr 3e-3, a 100-example validation split
@@ -57,7 +57,7 @@ def launches(monkeypatch):
         return compare.Outcome("ok", results=results)
 
     monkeypatch.setattr(compare, "launch", launch)
-    monkeypatch.setattr(compare, "write_plots", lambda summary, out: None)  # the charts: not under test here
+    monkeypatch.setattr(compare_report, "write_plots", lambda summary, out: None)  # the charts: not under test here
     monkeypatch.chdir(REPO)
     return calls
 
