@@ -21,7 +21,6 @@ import transformers
 from transformers import (
     AutoConfig,
     AutoTokenizer,
-    Trainer,
     TrainingArguments,
 )
 
@@ -47,7 +46,7 @@ from zoo.training.results import (
     results_record,
 )
 from zoo.training.run_folder import ResumePlan, lock_output_dir, resume_plan
-from zoo.training.run_folder import Trainer as CheckpointingTrainer
+from zoo.training.trainer import Trainer
 
 # Config keys that hold attention dropout, by model family (BERT/RoBERTa, Llama/ModernBERT/DistilBERT, GPT-2).
 ATTENTION_DROPOUT_KEYS = ("attention_probs_dropout_prob", "attention_dropout", "attn_pdrop")
@@ -208,7 +207,7 @@ def train(cfg: FinetuneConfig, plan: ResumePlan, started: float) -> dict | None:
     model = build_model(cfg, kind, plan.weights or model_path, tokenizer, label_names)  # weights only: the checkpoint's
     computer, collator = kind.metrics(cfg, examples[cfg.eval_split]), kind.collator(tokenizer)
     throughput, parameter_count = Throughput(), distributed.ParameterCount()
-    trainer = CheckpointingTrainer(
+    trainer = Trainer(
         model=model,
         args=args,
         train_dataset=examples["train"],

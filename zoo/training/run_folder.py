@@ -200,28 +200,21 @@ def pretrained_model_type(name: str) -> str | None:
 # checkpoint writes
 
 
-class Trainer(distributed.Trainer):
-    """A checkpoint write that fails (disk full, no permission) removes its partial folder and names the folder and
-    the free space. Overrides the private ``Trainer._save_checkpoint`` (the one place checkpoints are written; no
-    public hook sees the error), calling it unchanged."""
-
-    def _save_checkpoint(self, model, trial) -> None:
-        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        try:
-            super()._save_checkpoint(model, trial)
-        except (OSError, RuntimeError) as exc:
-            if not is_write_failure(exc):
-                raise
-            if self.args.should_save:
-                shutil.rmtree(folder, ignore_errors=True)  # never resumable: resume_from_checkpoint skips nothing half
-            free = shutil.disk_usage(folder.parent).free / 2**20
-            message = (
-                f"writing checkpoint {folder} failed ({type(exc).__name__}: {exc}); {free:.0f} MB free on "
-                f"{folder.parent}. The partial checkpoint was removed; free space (the model with its optimizer "
-                "state takes about 3x the weights) and resume from the previous checkpoint."
-            )
-            disk_full = "space" in str(exc).lower() or getattr(exc, "errno", None) == errno.ENOSPC
-            raise (OSError(errno.ENOSPC, message) if disk_full else OSError(message)) from exc
+def checkpoint_write_failed(folder: Path, exc: BaseException, should_save: bool) -> None:
+    """A checkpoint write into ``folder`` raised ``exc``: re-raise what is not a write failure; else remove the
+    partial folder (on the saving process) and raise an OSError naming the folder and the free space."""
+    if not is_write_failure(exc):
+        raise exc
+    if should_save:
+        shutil.rmtree(folder, ignore_errors=True)  # never resumable: resume_from_checkpoint skips nothing half
+    free = shutil.disk_usage(folder.parent).free / 2**20
+    message = (
+        f"writing checkpoint {folder} failed ({type(exc).__name__}: {exc}); {free:.0f} MB free on "
+        f"{folder.parent}. The partial checkpoint was removed; free space (the model with its optimizer "
+        "state takes about 3x the weights) and resume from the previous checkpoint."
+    )
+    disk_full = "space" in str(exc).lower() or getattr(exc, "errno", None) == errno.ENOSPC
+    raise (OSError(errno.ENOSPC, message) if disk_full else OSError(message)) from exc
 
 
 def is_write_failure(exc: BaseException) -> bool:
