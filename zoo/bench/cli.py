@@ -252,7 +252,7 @@ KV_DESCRIPTION = "Passkey retrieval on a real pretrained model (SmolLM2-135M-Ins
 def kv_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m zoo.bench.kv", description=KV_DESCRIPTION)
     parser.add_argument("command", choices=["prompts", "accuracy", "memory", "decode", "report"])
-    parser.add_argument("--out", type=Path, default=Path("docs/bench/kv"))
+    parser.add_argument("--out", type=Path, default=Path("results/bench/kv"))
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024])
     parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
     parser.add_argument("--keys", type=int, default=2, help="prompts (keys) per context and depth")

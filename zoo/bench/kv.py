@@ -3,10 +3,10 @@ cache: the ``budget`` variant under each policy, against transformers' full cach
 4 sinks, transformers' ``QuantizedCache`` (quanto) and, from a second environment, NVIDIA kvpress
 (scripts/kvpress_peer.py, reading the prompts this benchmark writes).
 
-    python -m zoo.bench.kv prompts  --contexts 1024 2048 --depths 0.1 0.5 0.9 --keys 2 --out docs/bench/kv
-    python -m zoo.bench.kv accuracy --contexts 1024 --budgets 0.5 0.25 0.1 --out docs/bench/kv
-    python -m zoo.bench.kv memory   --contexts 2048 8192 --tokens 512 --out docs/bench/kv  # RSS, bytes, ms/token
-    python -m zoo.bench.kv report   --out docs/bench/kv                                   # kv.md and kv.png
+    python -m zoo.bench.kv prompts  --contexts 1024 2048 --depths 0.1 0.5 0.9 --keys 2 --out results/bench/kv
+    python -m zoo.bench.kv accuracy --contexts 1024 --budgets 0.5 0.25 0.1 --out results/bench/kv
+    python -m zoo.bench.kv memory   --contexts 2048 8192 --tokens 512 --out results/bench/kv  # RSS, bytes, ms/token
+    python -m zoo.bench.kv report   --out results/bench/kv                                   # kv.md and kv.png
 
 The entry point only; the pieces live beside it: the prompts in :mod:`zoo.bench.passkey`, the contestants in
 :mod:`zoo.bench.kv_contestants`, the accuracy table in :mod:`zoo.bench.kv_accuracy`, peak RSS in

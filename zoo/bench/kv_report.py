@@ -127,7 +127,7 @@ def render_kv_markdown(out: Path) -> str:
     """``kv.md`` from the rows under ``out``."""
     rows = accuracy_rows(out)
     lines = ["# Passkey retrieval with a bounded KV cache: SmolLM2-135M-Instruct", "",
-             f"Commands, load and what each number means: docs/bench/kv/README.md. {NEW_TOKENS} greedy tokens; "
+             f"Commands, load and what each number means: results/bench/kv/README.md. {NEW_TOKENS} greedy tokens; "
              "found = the key in them. Cache MB per prompt as held after the last token (QuantizedCache: its "
              "packed data, scales and zero points and the fp32 residual tokens, measured).", ""]
     lines += _summary(rows)

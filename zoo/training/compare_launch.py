@@ -20,6 +20,11 @@ from zoo.registry import get_variant_class
 from zoo.training.compare_plan import Outcome, Run
 
 
+def _placed(config: dict) -> dict:
+    """A run config without its ``output_dir`` (the run folder's own path)."""
+    return {key: value for key, value in config.items() if key != "output_dir"}
+
+
 def command_for(run_config: Path, launcher: str | None) -> list[str]:
     if launcher:
         accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", launcher, "-m"]
@@ -112,12 +117,14 @@ def root_cause_rank(lines: list[str]) -> int | None:
 
 def reusable(run: Run) -> Outcome | None:
     """``--resume``: the outcome of a run folder that finished (results.json) with the planned config (the run's
-    SEED.yaml beside it equals ``run.config``), else None (the run is launched again)."""
+    SEED.yaml beside it equals ``run.config`` but for ``output_dir``, which is where the folder lies: a comparison
+    moved elsewhere, e.g. from docs/ to results/, resumes), else None (the run is launched again)."""
     results_path, run_config = run.run_dir / "results.json", run.run_dir.parent / f"{run.run_dir.name}.yaml"
     if not (results_path.is_file() and run_config.is_file()):
         return None
     try:
-        if yaml.safe_load(run_config.read_text()) != run.config:
+        saved = yaml.safe_load(run_config.read_text())
+        if not isinstance(saved, dict) or _placed(saved) != _placed(run.config):
             return None
         return Outcome("ok", results=json.loads(results_path.read_text()))
     except (ValueError, yaml.YAMLError):
