@@ -4,7 +4,7 @@ scripts/kvpress_env.sh builds: kvpress pins transformers<5.3, so it cannot run i
     scripts/kvpress_env.sh
     .venv-kvpress/bin/python scripts/kvpress_peer.py \
         --model ~/.cache/attention_zoo/models/smollm2-135m-instruct-q4_1-v1 \
-        --out docs/bench/kv --contexts 1024 --budgets 0.5 0.25 0.1
+        --out results/bench/kv --contexts 1024 --budgets 0.5 0.25 0.1
 
 Each press compresses the prompt once, at prefill (kvpress's forward hooks, after each layer's full prefill), keeping
 ``budget`` of the keys (``compression_ratio = 1 - budget``); then 8 greedy tokens with the compressed cache. "SnapKV
@@ -158,7 +158,7 @@ def run_shared(model, ids: torch.Tensor, jobs: list, question_ids: torch.Tensor 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--out", type=Path, default=Path("docs/bench/kv"))
+    parser.add_argument("--out", type=Path, default=Path("results/bench/kv"))
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024])
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.1])
     parser.add_argument("--only", nargs="+", help="press names to run")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from zoo.training import compare
+from zoo.training import compare, compare_report
 
 REPO = Path(__file__).resolve().parents[1]
 TASK = "recipes/configs/mqar/llama_cpu.yaml"  # lr 3e-3, a 100-example validation split
@@ -57,7 +57,7 @@ def launches(monkeypatch):
         return compare.Outcome("ok", results=results)
 
     monkeypatch.setattr(compare, "launch", launch)
-    monkeypatch.setattr(compare, "write_plots", lambda summary, out: None)  # the charts: not under test here
+    monkeypatch.setattr(compare_report, "write_plots", lambda summary, out: None)  # the charts: not under test here
     monkeypatch.chdir(REPO)
     return calls
 
@@ -189,6 +189,23 @@ def test_resume_reuses_finished_runs_with_the_planned_config(tmp_path, launches)
     assert launches == [("sdpa", 3e-3, 1), ("linear", 1e-2, 0)]
     with pytest.raises(SystemExit):
         compare.main([config, "--output_dir", str(out), "--resume", "--overwrite"])
+
+
+def test_resume_reuses_the_runs_of_a_comparison_moved_to_another_folder(tmp_path, launches):
+    """A comparison's folder moved (docs/recall/... to results/recall/...) resumes there: a run's saved config
+    differs from the planned one only in output_dir, the folder's own path."""
+    config = write_config(tmp_path, [{"variant": "sdpa", "learning_rates": None}], learning_rates=GRID)
+    first = compare.compare(config, str(tmp_path / "docs" / "out"))
+    (tmp_path / "results").mkdir()
+    (tmp_path / "docs" / "out").rename(tmp_path / "results" / "out")
+    launches.clear()
+    again = compare.compare(config, str(tmp_path / "results" / "out"), resume=True)
+    assert launches == [] and [r["eval_accuracy"] for r in again] == [r["eval_accuracy"] for r in first]
+    assert all("/results/out/runs/" in r["run_dir"] for r in compare_report_rows(tmp_path / "results" / "out"))
+
+
+def compare_report_rows(out):
+    return json.loads((out / "results.json").read_text())["runs"]
 
 
 def test_sweep_ties_fall_to_the_smaller_rate_and_perplexity_is_lower_is_better(tmp_path):

@@ -201,6 +201,24 @@ def config(tmp_path, **overrides):
     return FinetuneConfig(**{**TINY, "output_dir": str(tmp_path / "out"), **overrides})
 
 
+def test_a_fine_tune_resolves_its_config_once_and_its_model_runs_that_variant(tmp_path):
+    """check_config builds the variant and looks the task up once; the model's config runs that very instance
+    (no rebuild from the dict), and an edit of the config's entry still builds the edited variant."""
+    from zoo.plug.install import configure_variant
+    from zoo.plug.spec import CONFIG_KEY, variant_for
+
+    cfg = config(tmp_path, variant="longformer", variant_params={"window": 8})
+    resolved = check_config(cfg)
+    assert resolved.variant.config["window"] == 8 and resolved.task.kind == "classification"
+    assert train.find_unused_parameters(resolved) is (not resolved.variant.trains_every_parameter)
+    hf = configure_variant(transformers.BertConfig(**{k: TINY["model_config"][k] for k in TINY["model_config"]
+                                                      if k != "model_type"}), resolved.variant, "longformer")
+    assert variant_for(hf) is resolved.variant
+    assert getattr(hf, CONFIG_KEY)["variant"] == "longformer"
+    getattr(hf, CONFIG_KEY)["params"]["window"] = 4  # edited in place: the memo notices
+    assert variant_for(hf) is not resolved.variant and variant_for(hf).config["window"] == 4
+
+
 def test_config_file_values_are_overridden_on_the_command_line(tiny_config):
     cfg = parse_config([str(tiny_config), "--max_steps", "3", "--variant_params", "{window: 16}"])
     assert cfg.max_steps == 3 and cfg.variant_params == {"window": 16} and cfg.learning_rate == 1e-3

@@ -115,3 +115,26 @@ def test_reload_check_catches_a_model_that_reloads_differently(tmp_path, monkeyp
     monkeypatch.setattr(transformers.BertModel, "from_pretrained", drifted)
     with pytest.raises(AssertionError, match="differs from the saved"):
         assert_reloads_identically(model, inputs)
+
+
+def test_the_test_kit_keeps_every_name_importable_from_zoo_testing():
+    """The kit's code lives in modules under zoo/testing/; the package re-exports each of their public names (plugin
+    API: ``from zoo.testing import X``), and its __init__ holds no code of its own."""
+    import ast
+    import importlib
+    from pathlib import Path
+
+    import zoo.testing
+
+    init = Path(zoo.testing.__file__)
+    assert not [node for node in ast.parse(init.read_text()).body if isinstance(node, ast.FunctionDef | ast.ClassDef)]
+    for module in ("inputs", "comparison", "memory", "persistence", "decoding"):
+        kit = importlib.import_module(f"zoo.testing.{module}")
+        tree = ast.parse(Path(kit.__file__).read_text())
+        public = [node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.ClassDef)]
+        public += [target.id for node in tree.body if isinstance(node, ast.Assign) for target in node.targets
+                   if isinstance(target, ast.Name)]
+        assert public, module
+        for name in public:
+            assert getattr(zoo.testing, name) is getattr(kit, name), f"zoo.testing.{name} (from {module})"
+    assert all(hasattr(zoo.testing, name) for name in zoo.testing.__all__)

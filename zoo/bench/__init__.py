@@ -13,7 +13,12 @@ Modules, each importing only those above it in this list:
 - :mod:`~zoo.bench.measure` -- time, memory, error and roof measurements, each in a fresh process with a memory cap;
 - :mod:`~zoo.bench.report` -- ratios and exponents, then CSV, JSON, markdown and plots (generic row helpers);
 - :mod:`~zoo.bench.run` -- the loop over lengths and contestants;
-- :mod:`~zoo.bench.cli` -- the ``zoo bench`` subcommand, its presets and flags.
+- :mod:`~zoo.bench.timer` -- the one decode timer: contestants prefill once, then take turns decoding in rounds;
+- :mod:`~zoo.bench.decode` -- ``zoo bench --decode``: per-token decode time and cache bytes against the prompt;
+- the KV-cache benchmark (``python -m zoo.bench.kv``): :mod:`~zoo.bench.passkey` (the prompts),
+  :mod:`~zoo.bench.kv_contestants`, :mod:`~zoo.bench.kv_accuracy`, :mod:`~zoo.bench.kv_memory`,
+  :mod:`~zoo.bench.kv_decode`, :mod:`~zoo.bench.kv_report`;
+- :mod:`~zoo.bench.cli` -- the ``zoo bench`` subcommand, its presets and flags, and ``python -m zoo.bench.kv``.
 """
 
 from zoo.bench.cli import add_subcommand, cmd_bench, command_line, settings_from_args

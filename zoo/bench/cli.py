@@ -1,5 +1,6 @@
 """``zoo bench`` on the command line: the arguments, the presets (``--quick``), the settings they make, and the run
-spelled out as one explicit command for the report.
+spelled out as one explicit command for the report; and the KV-cache benchmark's ``python -m zoo.bench.kv``
+(:func:`kv_main`).
 
 Multi-word flags are spelled with underscores (``--output_dir``, the Hugging Face convention used by the
 fine-tune and compare recipes too); the hyphenated spelling (``--output-dir``) is accepted as an alias.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -22,9 +24,16 @@ from zoo.bench.decode import (
     run_decode_benchmark,
     write_decode_outputs,
 )
+from zoo.bench.kv_accuracy import run_accuracy
+from zoo.bench.kv_contestants import MEMORY_ROWS, contestants
+from zoo.bench.kv_decode import decode_smollm2, decode_tiny
+from zoo.bench.kv_memory import measure_one, run_memory
+from zoo.bench.kv_report import write_kv_report
+from zoo.bench.passkey import write_prompts
 from zoo.bench.plan import DEFAULT_LENGTHS, DTYPES, BenchSettings, make_contestants, parse_variant_params
 from zoo.bench.report import write_outputs
 from zoo.bench.run import run_benchmark
+from zoo.cache import POLICIES
 from zoo.plug.backend import attention_backend
 
 QUICK = {"lengths": [512, 1024], "repeats": 1, "warmup": 1, "error_length": 512, "roof_size": 1024,
@@ -230,4 +239,70 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"zoo bench: wrote {', '.join(str(p) for p in paths.values())}")
     if failed:
         print(f"zoo bench: errors recorded for {', '.join(failed)} (see the note column)")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# python -m zoo.bench.kv
+
+
+KV_DESCRIPTION = "Passkey retrieval on a real pretrained model (SmolLM2-135M-Instruct) with a bounded KV cache"
+
+
+def kv_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m zoo.bench.kv", description=KV_DESCRIPTION)
+    parser.add_argument("command", choices=["prompts", "accuracy", "memory", "decode", "report"])
+    parser.add_argument("--out", type=Path, default=Path("results/bench/kv"))
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024])
+    parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
+    parser.add_argument("--keys", type=int, default=2, help="prompts (keys) per context and depth")
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.1])
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    parser.add_argument("--only", nargs="+", help="families to run: full budget longformer quantized")
+    parser.add_argument("--no_quantized", action="store_true")
+    parser.add_argument("--shared", action="store_true",
+                        help="accuracy: one prefill for every contestant but longformer (shared_generate)")
+    parser.add_argument("--batch", type=int, default=0, help="accuracy --shared: prompts per prefill (0: all)")
+    parser.add_argument("--keys_per_depth", type=int, default=0, help="accuracy: the first N prompts per depth")
+    parser.add_argument("--chunk", type=int, default=None, help="prefill_chunk_size (memory: default 512)")
+    parser.add_argument("--tokens", type=int, default=512, help="memory: keys kept per layer")
+    parser.add_argument("--new_tokens", type=int, default=16, help="memory: tokens generated")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny", help="decode: the model")
+    parser.add_argument("--rounds", type=int, default=3, help="decode: rounds over the contestants")
+    parser.add_argument("--rows", nargs="+", default=["full", "budget-chunked", "window-chunked"],
+                        choices=list(MEMORY_ROWS), help="memory: the rows measured, each in a fresh process")
+    parser.add_argument("--env", nargs="+", help="memory: KEY=VALUE for the measuring process (MALLOC_ARENA_MAX=2)")
+    parser.add_argument("--trim", action="store_true", help="memory: glibc malloc_trim(0) after every layer")
+    parser.add_argument("--no_warmup", action="store_true", help="memory: no short generate before the measured one")
+    parser.add_argument("--timeout", type=float, default=1800)
+    return parser
+
+
+def kv_main(argv: list[str] | None = None) -> int:
+    """``python -m zoo.bench.kv COMMAND ...`` (``_measure SETTING``: one memory row, in the process it starts)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_measure":
+        print(json.dumps(measure_one(json.loads(argv[1]))))
+        return 0
+    args = kv_parser().parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    timing = {"tokens": args.tokens, "new_tokens": max(args.new_tokens, 8), "rounds": args.rounds,
+              "chunk": args.chunk, "threads": args.threads}
+    if args.command == "prompts":
+        print(write_prompts(args.out, args.contexts, args.depths, args.keys))
+    elif args.command == "accuracy":
+        chosen = [c for c in contestants(args.budgets, args.policies, quantized=not args.no_quantized)
+                  if not args.only or c["family"] in args.only]
+        run_accuracy(args.out, args.contexts, chosen, shared=args.shared, batch=args.batch,
+                     keys_per_depth=args.keys_per_depth, chunk=args.chunk, threads=args.threads)
+    elif args.command == "decode":
+        (decode_smollm2 if args.model == "smollm2" else decode_tiny)(args.out, args.contexts, **timing)
+    elif args.command == "memory":
+        run_memory(args.out, args.contexts, args.rows, tokens=args.tokens, new_tokens=args.new_tokens,
+                   chunk=args.chunk or 512, threads=args.threads, env=args.env, trim=args.trim,
+                   warmup=not args.no_warmup, timeout=args.timeout)
+    else:
+        paths = write_kv_report(args.out)
+        print(f"wrote {paths['markdown']} and {paths['plot']}")
     return 0

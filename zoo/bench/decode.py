@@ -25,6 +25,7 @@ import json
 import statistics
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +33,13 @@ import torch
 
 from zoo.bench.measure import Runner, measure_idle
 from zoo.bench.plan import History, extrapolate
-from zoo.bench.report import errors_section, grid, machine_info, plot_against_n
+from zoo.bench.report import errors_section, grid, machine_info, plot_against_n, report_json, write_report
+from zoo.bench.timer import TokenClock, take_turns
 from zoo.cache import cache_nbytes
 from zoo.plug.install import configure
 from zoo.plug.spec import variant_for
 from zoo.registry import get_variant_class, list_variants
-from zoo.reporting import MB, describe_error, fixed, human_bytes, markdown_table, write_csv
-from zoo.training.lm import TokenClock
+from zoo.reporting import MB, fixed, human_bytes, markdown_table, write_csv
 
 DECODE_LENGTHS = [2048, 8192, 32768, 131072]
 SINK_TOKENS = [0, 1, 2, 3]
@@ -184,50 +185,32 @@ def measure_decode(contestants: list[DecodeContestant], settings: DecodeSettings
     go on.
     """
     prompt = torch.randint(3, settings.vocab, (settings.batch, n), generator=torch.Generator().manual_seed(n))
-    results: dict[str, dict[str, Any]] = {}
     running: dict[str, list] = {}  # name -> [model, sequences, cache]
 
-    def attempt(name: str, step, *args) -> None:
-        started = time.perf_counter()
-        try:
-            step(*args)
-        except Exception as exc:  # recorded in the table; the other contestants go on
-            running.pop(name, None)
-            results[name] = {"status": "error", "error": describe_error(exc)}
-        if name in results:
-            results[name]["seconds"] = results[name].get("seconds", 0.0) + time.perf_counter() - started
-
-    def prefill(contestant: DecodeContestant) -> None:
+    def prefill(contestant: DecodeContestant) -> dict[str, Any]:
         model = build_model(contestant, settings, n)
         _generate(model, prompt[:, :64], 4)  # first-call overheads, untimed
         clock = TokenClock()
         start = time.perf_counter()
         out = _generate(model, prompt, 1, streamer=clock)
         running[contestant.name] = [model, out.sequences, out.cache]
-        results[contestant.name] = {"status": "ok", "first_token_s": clock.stamps[1] - start, "gaps": [],
-                                    "round_ms": []}
+        return {"first_token_s": clock.stamps[1] - start}
 
-    def one_round(name: str) -> None:
+    def one_round(name: str) -> list[float]:
         model, sequences, cache = running[name]
         clock = TokenClock()
         out = _generate(model, sequences, settings.new_tokens, streamer=clock, cache=cache)
         running[name][1:] = [out.sequences, out.cache]
-        gaps = clock.token_gaps()
-        results[name]["gaps"] += gaps
-        results[name]["round_ms"].append(1e3 * statistics.median(gaps))
+        return clock.token_gaps()
 
+    players = {c.name: (partial(prefill, c), partial(one_round, c.name)) for c in contestants}
     with torch.inference_mode():
-        for contestant in contestants:
-            attempt(contestant.name, prefill, contestant)
-        names = [c.name for c in contestants]
-        for round_ in range(settings.rounds):
-            for name in names if round_ % 2 == 0 else names[::-1]:
-                if name in running:
-                    attempt(name, one_round, name)
-    for name, (_, _, cache) in running.items():
-        gaps = results[name].pop("gaps")
-        results[name].update(ms_per_token=1e3 * statistics.median(gaps), ms_per_token_min=1e3 * min(gaps),
-                             cache_bytes=cache_nbytes(cache), cache_class=type(cache).__name__)
+        results = take_turns(players, settings.rounds)
+    for name, result in results.items():
+        if result["status"] == "ok":
+            gaps = result.pop("gaps")
+            result.update(ms_per_token=1e3 * statistics.median(gaps), ms_per_token_min=1e3 * min(gaps),
+                          cache_bytes=cache_nbytes(running[name][2]), cache_class=type(running[name][2]).__name__)
     return {"status": "ok", "results": results}
 
 
@@ -406,23 +389,15 @@ def render_markdown(report: dict[str, Any], command: str) -> str:
 
 
 def write_decode_outputs(report: dict[str, Any], output_dir: Path, command: str) -> dict[str, Path]:
-    output_dir.mkdir(parents=True, exist_ok=True)
-    paths = {
-        "csv": output_dir / "decode.csv",
-        "json": output_dir / "decode.json",
-        "markdown": output_dir / "decode.md",
-        "time_plot": output_dir / "decode_ms_per_token.png",
-        "cache_plot": output_dir / "decode_cache_mb.png",
-    }
-    write_csv(paths["csv"], report["rows"], CSV_FIELDS)
-    paths["json"].write_text(json.dumps({**report, "command": command}, indent=2, default=str))
-    paths["markdown"].write_text(render_markdown(report, command))
     styles = {name: "--" if info["kind"] == "peer" else "-" for name, info in report["contestants"].items()}
     s = report["settings"]
     what = f"tiny Llama (hidden {s['hidden']}, {s['layers']} layers), greedy generate, {s['device']}"
-    plot_against_n(report["rows"], styles, "ms_per_token", "ms per generated token", f"decode: {what}",
-                   paths["time_plot"])
-    plot_against_n(report["rows"], styles, "cache_mb", "cache MB", f"cache after generate: {what}",
-                   paths["cache_plot"])
-    return paths
-
+    return write_report(output_dir, {
+        "csv": ("decode.csv", lambda path: write_csv(path, report["rows"], CSV_FIELDS)),
+        "json": ("decode.json", report_json(report, command)),
+        "markdown": ("decode.md", render_markdown(report, command)),
+        "time_plot": ("decode_ms_per_token.png", lambda path: plot_against_n(
+            report["rows"], styles, "ms_per_token", "ms per generated token", f"decode: {what}", path)),
+        "cache_plot": ("decode_cache_mb.png", lambda path: plot_against_n(
+            report["rows"], styles, "cache_mb", "cache MB", f"cache after generate: {what}", path)),
+    })

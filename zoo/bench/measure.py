@@ -5,6 +5,7 @@ already imported torch, so a fork costs milliseconds) and reports its max RSS; t
 the max RSS of an idle such process. On CUDA it is ``torch.cuda.max_memory_allocated`` in-process, and
 time comes from CUDA events. Each measuring process may map only 90% of the memory still available, so a
 kernel that outgrows the machine fails with an allocation error (recorded) instead of waking the OOM killer.
+:class:`RssSampler` follows the resident memory of a process while a call runs (its peak per phase and per layer).
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 import multiprocessing
 import resource
 import statistics
+import threading
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -140,6 +143,50 @@ def measure_roof(settings: BenchSettings) -> dict[str, Any]:
 def measure_idle() -> dict[str, Any]:
     """Nothing: its max RSS is the baseline (a process that imported torch, transformers and the zoo)."""
     return {"status": "ok"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# resident memory while a call runs (the KV-cache benchmark's peak RSS per phase)
+
+
+PAGE = 4096
+
+
+def rss_now() -> int:
+    """Current resident memory of this process (``/proc/self/statm``; 0 where there is none)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * PAGE
+    except OSError:
+        return 0
+
+
+class RssSampler:
+    """A thread that reads the current RSS every ``interval`` seconds: the peak since :meth:`mark` and, per decoder
+    layer call (``hook``), the RSS after it, so the trace shows where (which chunk, which layer) memory grows."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval, self.peak, self.stop = interval, rss_now(), threading.Event()
+        self.trace: list[tuple[int, int]] = []  # (layer index, RSS MB after its call)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            self.peak = max(self.peak, rss_now())
+            time.sleep(self.interval)
+
+    def mark(self) -> int:
+        """The peak since the last mark (and reset it to the current RSS)."""
+        peak, self.peak = max(self.peak, rss_now()), rss_now()
+        return peak
+
+    def hook(self, module, args, output) -> None:
+        self.peak = max(self.peak, rss_now())
+        self.trace.append((module.self_attn.layer_idx, rss_now() // 2**20))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
 
 
 # ---------------------------------------------------------------------------------------------------

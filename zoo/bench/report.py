@@ -348,21 +348,41 @@ def plot(report: dict[str, Any], key: str, ylabel: str, path: Path) -> None:
     plot_against_n(report["rows"], styles, key, ylabel, title, path)
 
 
-def write_outputs(report: dict[str, Any], output_dir: Path, command: str) -> dict[str, Path]:
+def write_report(output_dir: Path, files: dict[str, tuple[str, str | Callable[[Path], None]]]) -> dict[str, Path]:
+    """The report writer of every benchmark: each file under ``output_dir`` (made if missing).
+
+    Args:
+        output_dir: the folder written to.
+        files: key -> (file name, its text, or a function writing it given its path: a plot, a CSV).
+
+    Returns:
+        key -> the path written.
+    """
     output_dir.mkdir(parents=True, exist_ok=True)
-    paths = {
-        "csv": output_dir / "bench.csv",
-        "json": output_dir / "bench.json",
-        "markdown": output_dir / "bench.md",
-        "time_plot": output_dir / "time_vs_n.png",
-        "memory_plot": output_dir / "memory_vs_n.png",
-    }
+    paths = {}
+    for key, (name, content) in files.items():
+        paths[key] = output_dir / name
+        if callable(content):
+            content(paths[key])
+        else:
+            paths[key].write_text(content)
+    return paths
+
+
+def report_json(report: dict[str, Any], command: str) -> str:
+    """The report and its command as the JSON file of a run."""
+    return json.dumps({**report, "command": command}, indent=2, default=str)
+
+
+def write_outputs(report: dict[str, Any], output_dir: Path, command: str) -> dict[str, Path]:
     settings = {k: report["settings"].get(k) for k in SETTINGS_COLUMNS}
     params = {name: json.dumps(info["params"], sort_keys=True) for name, info in report["variants"].items()}
     rows = [{**row, **settings, "params": params[row["variant"]]} for row in report["rows"]]
-    write_csv(paths["csv"], rows, CSV_FIELDS + SETTINGS_COLUMNS + ["params"])
-    paths["json"].write_text(json.dumps({**report, "command": command}, indent=2, default=str))
-    paths["markdown"].write_text(render_markdown(report, command))
-    plot(report, "time_s", "time (s)", paths["time_plot"])
-    plot(report, "mem_mb", "peak memory above an idle process (MB)", paths["memory_plot"])
-    return paths
+    return write_report(output_dir, {
+        "csv": ("bench.csv", lambda path: write_csv(path, rows, CSV_FIELDS + SETTINGS_COLUMNS + ["params"])),
+        "json": ("bench.json", report_json(report, command)),
+        "markdown": ("bench.md", render_markdown(report, command)),
+        "time_plot": ("time_vs_n.png", lambda path: plot(report, "time_s", "time (s)", path)),
+        "memory_plot": ("memory_vs_n.png",
+                        lambda path: plot(report, "mem_mb", "peak memory above an idle process (MB)", path)),
+    })

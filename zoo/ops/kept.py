@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 CHUNK_ELEMENTS = 1 << 18  # scores per query chunk (1 MB in fp32): a chunked prefill runs kept_attention at every
 # layer and chunk, and score buffers of tens of MB, freed and made again around the cache's own allocations, stayed
-# in glibc's heap (docs/bench/kv/README.md, peak RSS); buffers this small are reused instead
+# in glibc's heap (results/bench/kv/README.md, peak RSS); buffers this small are reused instead
 SNAPKV_POOL = 7  # SnapKV's pooling kernel over neighbouring keys
 
 

@@ -69,8 +69,8 @@ def band_part(q, k, v, key_real: torch.Tensor, width: int, causal: bool, block: 
     """
     batch, heads, n, _ = q.shape
     groups = n // block
-    reach = min(math.ceil((width - 1) / block), groups - 1)  # key blocks on each side, never past the sequence
-    relative = torch.arange(-reach, 1 if causal else reach + 1, device=q.device)  # key blocks around a query block
+    side_blocks = min(math.ceil((width - 1) / block), groups - 1)  # key blocks on each side, never past the end
+    relative = torch.arange(-side_blocks, 1 if causal else side_blocks + 1, device=q.device)  # around a query block
     within = torch.arange(block, device=q.device)
 
     def key_blocks(entries: torch.Tensor) -> torch.Tensor:  # unclamped key block numbers (e, R)

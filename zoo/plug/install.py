@@ -26,11 +26,13 @@ from zoo.plug.spec import (
     check_model_supported,
     is_decoder_only,
     per_config,
+    remember_variant,
     variant_for,
     zoo_variant_of,
 )
 from zoo.plug.weights import attach, initialize_missing
 from zoo.registry import get_variant_class, variant_source
+from zoo.variant import Variant
 
 logger = logging.getLogger(__name__)
 
@@ -45,30 +47,33 @@ def configure(target: PretrainedConfig | PreTrainedModel, name: str, **params: A
     Parameters are validated now (a bad value raises naming the parameter and its allowed range).
     Returns the config or model it was given.
     """
+    return configure_variant(target, get_variant_class(name)(**params), name)
+
+
+def configure_variant(target: PretrainedConfig | PreTrainedModel, variant: Variant, name: str | None = None):
+    """:func:`configure` with a variant instance already built (a fine-tune builds it once, :mod:`zoo.training`):
+    the config records its name (``name``, else ``variant.name``) and parameters, and its attention calls use this
+    instance.
+
+    Returns the config or model it was given.
+    """
     install()
+    name = name or variant.name
     model = target if isinstance(target, PreTrainedModel) else None
     config = model.config if model is not None else target
     if not isinstance(config, PretrainedConfig):
         raise TypeError(f"zoo.configure expects a transformers config or model, got {type(target).__name__}")
     check_model_supported(config, model)
-    variant = get_variant_class(name)(**params)
     if is_decoder_only(config) and not variant.supports_causal:  # an instance may refine it (a hybrid's layers)
         raise ValueError(
             f"attention-zoo variant {name!r} does not support causal attention, but {config.model_type!r} is a "
             f"causal decoder. Pick a variant with causal support (see `zoo list`)."
         )
     source = variant_source(name)
-    setattr(
-        config,
-        CONFIG_KEY,
-        {
-            "variant": name,
-            "params": dict(variant.config),
-            "package": source.distribution,
-            "version": source.version,
-            "state": {},
-        },
-    )
+    spec = {"variant": name, "params": dict(variant.config), "package": source.distribution,
+            "version": source.version, "state": {}}
+    setattr(config, CONFIG_KEY, spec)
+    remember_variant(config, variant)
     if _is_bidirectional_mask_model(config):
         _warn_sliding_window(config, name)
     config._attn_implementation = IMPLEMENTATION

@@ -96,6 +96,15 @@ def variant_for(config: PretrainedConfig) -> Variant:
     return cached[2]
 
 
+def remember_variant(config: PretrainedConfig, variant: Variant) -> None:
+    """Let :func:`variant_for` return ``variant`` for ``config`` (whose entry ``configure`` just wrote from it)
+    instead of building it again; the memo is checked as any other: an edited entry builds its own variant."""
+    spec = getattr(config, CONFIG_KEY)
+    cached = (spec, copy.deepcopy(_spec_key(spec)), variant)
+    per_config(_variants, config, cached)
+    _variants[id(config)] = cached
+
+
 def _spec_key(spec: Any) -> tuple:
     """What decides the variant instance: its name and parameters."""
     return (spec.get("variant"), spec.get("params", {})) if isinstance(spec, Mapping) else (None, spec)

@@ -272,9 +272,25 @@ def resolve_pretrained(name: str) -> tuple[str, str]:
 # checks that run before any data or model is loaded
 
 
-def check_config(cfg: FinetuneConfig) -> None:
+@dataclass(frozen=True)
+class ResolvedRun:
+    """A fine-tune's config resolved once and passed down: the variant instance its ``variant`` and
+    ``variant_params`` build (checked), and its task (``zoo.data``'s registry entry)."""
+
+    cfg: FinetuneConfig
+    variant: Variant
+    task: tasks.Task
+
+
+def resolve(cfg: FinetuneConfig) -> ResolvedRun:
+    """Build the variant and look the task up, once (an unknown variant or task, a bad parameter: raised now)."""
+    task = tasks.get_task(cfg.task)
+    return ResolvedRun(cfg, get_variant_class(cfg.variant)(**cfg.variant_params), task)
+
+
+def check_config(cfg: FinetuneConfig) -> ResolvedRun:
+    """Every check that needs no data and no model; returns the resolved run the fine-tune passes down."""
     distributed.check_launch(distributed.accelerator_available())
-    tasks.get_task(cfg.task)
     tasks.check_options(cfg.task, cfg.task_options)
     if (cfg.model_name_or_path is None) == (not cfg.model_config):
         raise ValueError(
@@ -283,12 +299,13 @@ def check_config(cfg: FinetuneConfig) -> None:
         )
     if cfg.resume_weights_only and not cfg.resume_from_checkpoint:
         raise ValueError("resume_weights_only is true but resume_from_checkpoint is not set; name the checkpoint.")
-    variant = get_variant_class(cfg.variant)(**cfg.variant_params)  # unknown variant or bad parameter: now
-    if tasks.get_task(cfg.task).trains_causal_lm:
-        check_lm_config(cfg, variant)
+    resolved = resolve(cfg)
+    if resolved.task.trains_causal_lm:
+        check_lm_config(cfg, resolved.variant)
     if cfg.push_to_hub and not cfg.hub_model_id:
         raise ValueError("push_to_hub is true but hub_model_id is not set; give the repository id, e.g. 'me/model'.")
     check_output_dir(cfg)
+    return resolved
 
 
 def check_lm_config(cfg: FinetuneConfig, variant: Variant) -> None:

@@ -72,33 +72,32 @@ def check_launch(accelerator_available: bool) -> None:
             )
 
 
-class Trainer(transformers.Trainer):
-    """transformers' Trainer that also shards with the launcher's FSDP 2 config when the group runs on CPU."""
+def prepare_accelerator(trainer: transformers.Trainer) -> None:
+    """After transformers' Trainer made its accelerator: shard with the launcher's FSDP 2 config when the group runs
+    on CPU (accelerate 1.15 silently drops the plugin there), and keep the input embeddings out of the wrap list."""
+    if _launcher_asks("ACCELERATE_USE_FSDP") and trainer.accelerator.distributed_type == DistributedType.MULTI_CPU:
+        _enable_fsdp_on_cpu(trainer)
+    if trainer.is_fsdp_enabled:
+        keep_input_embeddings_unwrapped(trainer.accelerator.state.fsdp_plugin, trainer.model)
 
-    def create_accelerator_and_postprocess(self) -> None:
-        super().create_accelerator_and_postprocess()
-        if _launcher_asks("ACCELERATE_USE_FSDP") and self.accelerator.distributed_type == DistributedType.MULTI_CPU:
-            self._enable_fsdp_on_cpu()
-        if self.is_fsdp_enabled:
-            keep_input_embeddings_unwrapped(self.accelerator.state.fsdp_plugin, self.model)
 
-    def _enable_fsdp_on_cpu(self) -> None:
-        plugin_args = self.args.fsdp_plugin_args or {}
-        plugin = FullyShardedDataParallelPlugin(**plugin_args)  # the launcher's FSDP_* settings
-        state = self.accelerator.state
-        if state.mixed_precision != "no":
-            plugin.set_mixed_precision(state.mixed_precision)
-        shared = (PartialState._shared_state, AcceleratorState._shared_state)
-        if not all(isinstance(s, dict) and s.get("distributed_type") == DistributedType.MULTI_CPU for s in shared):
-            raise RuntimeError(
-                f"FSDP on CPU: accelerate {_version('accelerate')} keeps its state differently from 1.15, the version "
-                "this workaround was written for. Use recipes/accelerate/multi_cpu.yaml (DDP) on this machine."
-            )
-        # Both singletons: every AcceleratorState() call copies PartialState's fields over its own.
-        for s in shared:
-            s["distributed_type"] = DistributedType.FSDP
-        state.fsdp_plugin = plugin
-        self.is_fsdp_enabled = True
+def _enable_fsdp_on_cpu(trainer: transformers.Trainer) -> None:
+    plugin_args = trainer.args.fsdp_plugin_args or {}
+    plugin = FullyShardedDataParallelPlugin(**plugin_args)  # the launcher's FSDP_* settings
+    state = trainer.accelerator.state
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)
+    shared = (PartialState._shared_state, AcceleratorState._shared_state)
+    if not all(isinstance(s, dict) and s.get("distributed_type") == DistributedType.MULTI_CPU for s in shared):
+        raise RuntimeError(
+            f"FSDP on CPU: accelerate {_version('accelerate')} keeps its state differently from 1.15, the version "
+            "this workaround was written for. Use recipes/accelerate/multi_cpu.yaml (DDP) on this machine."
+        )
+    # Both singletons: every AcceleratorState() call copies PartialState's fields over its own.
+    for s in shared:
+        s["distributed_type"] = DistributedType.FSDP
+    state.fsdp_plugin = plugin
+    trainer.is_fsdp_enabled = True
 
 
 def keep_input_embeddings_unwrapped(plugin: FullyShardedDataParallelPlugin, model: torch.nn.Module) -> None:

@@ -21,24 +21,24 @@ import transformers
 from transformers import (
     AutoConfig,
     AutoTokenizer,
-    Trainer,
     TrainingArguments,
 )
 
 from zoo import data as tasks
 from zoo.convert.longify import check_max_length, longify, position_capacity
 from zoo.data.lm import bpe_tokenizer
-from zoo.plug.install import configure
+from zoo.plug.install import configure_variant
 from zoo.plug.spec import IMPLEMENTATION
-from zoo.registry import get_variant_class
 from zoo.training import distributed
 from zoo.training.config import (
     FinetuneConfig,
+    ResolvedRun,
     check_config,
     parse_config,
+    resolve,
     resolve_pretrained,
 )
-from zoo.training.kinds import TaskKind, kind_of
+from zoo.training.kinds import KINDS, TaskKind, kind_of
 from zoo.training.results import (
     JsonlLog,
     Throughput,
@@ -47,7 +47,7 @@ from zoo.training.results import (
     results_record,
 )
 from zoo.training.run_folder import ResumePlan, lock_output_dir, resume_plan
-from zoo.training.run_folder import Trainer as CheckpointingTrainer
+from zoo.training.trainer import Trainer
 
 # Config keys that hold attention dropout, by model family (BERT/RoBERTa, Llama/ModernBERT/DistilBERT, GPT-2).
 ATTENTION_DROPOUT_KEYS = ("attention_probs_dropout_prob", "attention_dropout", "attn_pdrop")
@@ -67,7 +67,8 @@ def load_splits(cfg: FinetuneConfig, kind: TaskKind) -> tuple[Any, list[str] | N
     return dataset, dataset["train"].features["label"].names if kind.labelled else None
 
 
-def load_tokenizer(cfg: FinetuneConfig, kind: TaskKind, model_path: str | None, dataset):
+def load_tokenizer(run: ResolvedRun, kind: TaskKind, model_path: str | None, dataset):
+    cfg = run.cfg
     source = cfg.tokenizer_name_or_path or model_path
     if source is not None:
         tokenizer = AutoTokenizer.from_pretrained(resolve_pretrained(source)[0])
@@ -75,7 +76,7 @@ def load_tokenizer(cfg: FinetuneConfig, kind: TaskKind, model_path: str | None, 
             tokenizer.pad_token = tokenizer.eos_token
     elif kind.trains_tokenizer:
         tokenizer = bpe_tokenizer(dataset["train"]["text"], cfg.tokenizer_vocab_size)
-    elif tasks.get_task(cfg.task).tokenizer is not None:
+    elif run.task.tokenizer is not None:
         tokenizer = tasks.task_tokenizer(cfg.task, cfg.task_options)
     else:
         raise ValueError(
@@ -86,7 +87,8 @@ def load_tokenizer(cfg: FinetuneConfig, kind: TaskKind, model_path: str | None, 
     return tokenizer
 
 
-def model_config(cfg: FinetuneConfig, model_path: str | None, tokenizer, label_names: list[str] | None):
+def model_config(run: ResolvedRun, model_path: str | None, tokenizer, label_names: list[str] | None):
+    cfg = run.cfg
     labels = {}
     if label_names is not None:
         labels = {"num_labels": len(label_names), "id2label": dict(enumerate(label_names))}
@@ -109,7 +111,7 @@ def model_config(cfg: FinetuneConfig, model_path: str | None, tokenizer, label_n
         for key in ATTENTION_DROPOUT_KEYS:
             if hasattr(config, key):
                 setattr(config, key, cfg.attention_dropout)
-    return configure(config, cfg.variant, **cfg.variant_params)
+    return configure_variant(config, run.variant, cfg.variant)
 
 
 def special_token_ids(tokenizer, roles: tuple[str, ...]) -> dict[str, int]:
@@ -125,9 +127,10 @@ def special_token_ids(tokenizer, roles: tuple[str, ...]) -> dict[str, int]:
     return ids
 
 
-def build_model(cfg: FinetuneConfig, kind: TaskKind, model_path: str | None, tokenizer,
+def build_model(run: ResolvedRun, kind: TaskKind, model_path: str | None, tokenizer,
                 label_names: list[str] | None):
-    config = model_config(cfg, model_path, tokenizer, label_names)
+    cfg = run.cfg
+    config = model_config(run, model_path, tokenizer, label_names)
     transformers.set_seed(cfg.seed)  # from-scratch weights and the new classifier head
     if model_path is not None:
         model = kind.model_class.from_pretrained(model_path, config=config)
@@ -154,14 +157,16 @@ def build_model(cfg: FinetuneConfig, kind: TaskKind, model_path: str | None, tok
 # training
 
 
-def find_unused_parameters(cfg: FinetuneConfig) -> bool:
+def find_unused_parameters(cfg: FinetuneConfig | ResolvedRun) -> bool:
     """Whether DDP must look for parameters without a gradient each step: only for a variant that leaves some unused
     by design (``Variant.trains_every_parameter``); the search costs a graph traversal per step, and without it such
     a variant fails at its second step ("Expected to have finished reduction in the prior iteration")."""
-    return not get_variant_class(cfg.variant)(**cfg.variant_params).trains_every_parameter  # a hybrid: its layers'
+    variant = cfg.variant if isinstance(cfg, ResolvedRun) else resolve(cfg).variant
+    return not variant.trains_every_parameter  # a hybrid: its layers'
 
 
-def training_arguments(cfg: FinetuneConfig) -> TrainingArguments:
+def training_arguments(cfg: FinetuneConfig, run: ResolvedRun | None = None) -> TrainingArguments:
+    """transformers' TrainingArguments of the fine-tune (``run``: its resolved variant, else resolved here)."""
     own = {f.name for f in dataclasses.fields(TrainingArguments)}
     shared = {k: v for k, v in dataclasses.asdict(cfg).items() if k in own}
     for key in ("push_to_hub", "resume_from_checkpoint", "training_args"):  # handled by the recipe itself
@@ -172,7 +177,7 @@ def training_arguments(cfg: FinetuneConfig) -> TrainingArguments:
         raise ValueError(f"training_args: {unknown[0]!r} is not a transformers TrainingArguments key.")
     defaults = {
         "use_cpu": not distributed.accelerator_available(),
-        "ddp_find_unused_parameters": find_unused_parameters(cfg),
+        "ddp_find_unused_parameters": find_unused_parameters(run or cfg),
     }
     return TrainingArguments(
         **{**defaults, **shared, **extra},
@@ -185,30 +190,32 @@ def training_arguments(cfg: FinetuneConfig) -> TrainingArguments:
 def run(cfg: FinetuneConfig) -> dict | None:
     """Run one fine-tune; returns the results record on the main process (None elsewhere, and for a finished run)."""
     started = time.perf_counter()
-    check_config(cfg)
+    resolved = check_config(cfg)
     lock = lock_output_dir(cfg)
     try:
-        plan = resume_plan(cfg)
+        plan = resume_plan(cfg, resolved.variant)
         if plan.finished_at is not None:
             return None
-        return train(cfg, plan, started)
+        return train(resolved, plan, started)
     finally:
         lock.release()
 
 
-def train(cfg: FinetuneConfig, plan: ResumePlan, started: float) -> dict | None:
-    """Data, model, training, final evaluation and results (``run`` has checked the config and locked the folder)."""
-    args = training_arguments(cfg)
+def train(run: ResolvedRun, plan: ResumePlan, started: float) -> dict | None:
+    """Data, model, training, final evaluation and results (:func:`run` has resolved and checked the config and
+    locked the folder)."""
+    cfg = run.cfg
+    args = training_arguments(cfg, run)
     model_path, base_model = resolve_pretrained(cfg.model_name_or_path) if cfg.model_name_or_path else (None, None)
-    kind = kind_of(cfg.task)
+    kind = KINDS[run.task.kind]
     with args.main_process_first(desc="building the dataset"):
         dataset, label_names = load_splits(cfg, kind)
-        tokenizer = load_tokenizer(cfg, kind, model_path, dataset)
+        tokenizer = load_tokenizer(run, kind, model_path, dataset)
         examples = kind.prepare(cfg, dataset, tokenizer)
-    model = build_model(cfg, kind, plan.weights or model_path, tokenizer, label_names)  # weights only: the checkpoint's
+    model = build_model(run, kind, plan.weights or model_path, tokenizer, label_names)  # weights only: the checkpoint's
     computer, collator = kind.metrics(cfg, examples[cfg.eval_split]), kind.collator(tokenizer)
     throughput, parameter_count = Throughput(), distributed.ParameterCount()
-    trainer = CheckpointingTrainer(
+    trainer = Trainer(
         model=model,
         args=args,
         train_dataset=examples["train"],

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -90,13 +91,21 @@ class PositionLoss:
 
 
 class TokenClock(BaseStreamer):
-    """A streamer that records when each batch of tokens arrives (the first ``put`` is the prompt)."""
+    """A streamer that records when each batch of tokens arrives (the first ``put`` is the prompt): the decode timer
+    of the zoo (the fine-tune's sample, ``zoo bench --decode``, the passkey benchmark).
 
-    def __init__(self) -> None:
+    Args:
+        on_put: called with the number of ``put`` calls so far after each one (e.g. 2: the prefill's token came).
+    """
+
+    def __init__(self, on_put: Callable[[int], None] | None = None) -> None:
         self.stamps: list[float] = []
+        self.on_put = on_put
 
     def put(self, value) -> None:
         self.stamps.append(time.perf_counter())
+        if self.on_put is not None:
+            self.on_put(len(self.stamps))
 
     def end(self) -> None:
         pass

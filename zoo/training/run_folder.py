@@ -24,10 +24,10 @@ import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from zoo.plug.spec import CONFIG_KEY
-from zoo.registry import get_variant_class
 from zoo.training import distributed
-from zoo.training.config import FinetuneConfig, resolve_pretrained
+from zoo.training.config import FinetuneConfig, resolve, resolve_pretrained
 from zoo.training.run_lock import RunLock
+from zoo.variant import Variant
 
 logger = logging.getLogger("zoo.training.finetune")
 # What a checkpoint needs for an exact resume, besides one RNG file per process: each entry is satisfied by any of its
@@ -114,9 +114,10 @@ class ResumePlan:
     finished_at: int | None = None  # the run already reached max_steps at this step: nothing to train
 
 
-def resume_plan(cfg: FinetuneConfig) -> ResumePlan:
+def resume_plan(cfg: FinetuneConfig, variant: Variant | None = None) -> ResumePlan:
     """The checkpoint this run starts from, checked: complete (or weights only, if asked), the same variant and
-    model, not already finished. Every process computes the same plan from the same files."""
+    model, not already finished. Every process computes the same plan from the same files. ``variant``: the run's,
+    resolved once (:func:`~zoo.training.config.resolve`), else built here."""
     if not cfg.resume_from_checkpoint:
         return ResumePlan()
     out = Path(cfg.output_dir)
@@ -130,7 +131,7 @@ def resume_plan(cfg: FinetuneConfig) -> ResumePlan:
                 f"checkpoint {checkpoint} cannot be resumed exactly: {', '.join(problems)}. Resume another checkpoint, "
                 "or set resume_weights_only: true to start from its weights with a fresh optimizer and schedule."
             )
-    check_same_run(cfg, checkpoint)
+    check_same_run(cfg, checkpoint, variant)
     if cfg.resume_weights_only:
         return ResumePlan(weights=str(checkpoint))
     step, max_steps = finished_step(cfg, checkpoint)
@@ -168,12 +169,12 @@ def finished_step(cfg: FinetuneConfig, checkpoint: Path) -> tuple[int | None, in
     return (step if max_steps and step >= max_steps else None), max_steps
 
 
-def check_same_run(cfg: FinetuneConfig, checkpoint: Path) -> None:
+def check_same_run(cfg: FinetuneConfig, checkpoint: Path, variant: Variant | None = None) -> None:
     """Refuse a checkpoint of another variant, variant parameters or model (results.json would then credit the
     whole run to this config)."""
     saved = json.loads((checkpoint / "config.json").read_text()) if (checkpoint / "config.json").is_file() else {}
     spec = saved.get(CONFIG_KEY) or {}
-    ours = {"variant": cfg.variant, "params": dict(get_variant_class(cfg.variant)(**cfg.variant_params).config)}
+    ours = {"variant": cfg.variant, "params": dict((variant or resolve(cfg).variant).config)}
     theirs = {"variant": spec.get("variant", "(none)"), "params": spec.get("params", {})}
     if json.loads(json.dumps(ours)) != json.loads(json.dumps(theirs)):
         raise ValueError(
@@ -200,28 +201,21 @@ def pretrained_model_type(name: str) -> str | None:
 # checkpoint writes
 
 
-class Trainer(distributed.Trainer):
-    """A checkpoint write that fails (disk full, no permission) removes its partial folder and names the folder and
-    the free space. Overrides the private ``Trainer._save_checkpoint`` (the one place checkpoints are written; no
-    public hook sees the error), calling it unchanged."""
-
-    def _save_checkpoint(self, model, trial) -> None:
-        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        try:
-            super()._save_checkpoint(model, trial)
-        except (OSError, RuntimeError) as exc:
-            if not is_write_failure(exc):
-                raise
-            if self.args.should_save:
-                shutil.rmtree(folder, ignore_errors=True)  # never resumable: resume_from_checkpoint skips nothing half
-            free = shutil.disk_usage(folder.parent).free / 2**20
-            message = (
-                f"writing checkpoint {folder} failed ({type(exc).__name__}: {exc}); {free:.0f} MB free on "
-                f"{folder.parent}. The partial checkpoint was removed; free space (the model with its optimizer "
-                "state takes about 3x the weights) and resume from the previous checkpoint."
-            )
-            disk_full = "space" in str(exc).lower() or getattr(exc, "errno", None) == errno.ENOSPC
-            raise (OSError(errno.ENOSPC, message) if disk_full else OSError(message)) from exc
+def checkpoint_write_failed(folder: Path, exc: BaseException, should_save: bool) -> None:
+    """A checkpoint write into ``folder`` raised ``exc``: re-raise what is not a write failure; else remove the
+    partial folder (on the saving process) and raise an OSError naming the folder and the free space."""
+    if not is_write_failure(exc):
+        raise exc
+    if should_save:
+        shutil.rmtree(folder, ignore_errors=True)  # never resumable: resume_from_checkpoint skips nothing half
+    free = shutil.disk_usage(folder.parent).free / 2**20
+    message = (
+        f"writing checkpoint {folder} failed ({type(exc).__name__}: {exc}); {free:.0f} MB free on "
+        f"{folder.parent}. The partial checkpoint was removed; free space (the model with its optimizer "
+        "state takes about 3x the weights) and resume from the previous checkpoint."
+    )
+    disk_full = "space" in str(exc).lower() or getattr(exc, "errno", None) == errno.ENOSPC
+    raise (OSError(errno.ENOSPC, message) if disk_full else OSError(message)) from exc
 
 
 def is_write_failure(exc: BaseException) -> bool:
