@@ -32,7 +32,7 @@ from zoo.ops import (
     linear_attention_flops,
     linear_attention_reference,
 )
-from zoo.ops.delta_rule import compute_dtype
+from zoo.ops.delta_rule import state_dtype
 from zoo.ops.short_conv import ShortConv
 from zoo.variant import AttentionCall, LayerWeights, Param, Variant
 
@@ -87,7 +87,7 @@ class BasedAttention(Variant):
     def features(self, q, k, v, call: AttentionCall, state: dict | None = None):
         """(φ(q), φ(k), v) in the compute dtype, after the optional convolution."""
         weights = self.layer_weights(call)
-        dtype = compute_dtype(q)
+        dtype = state_dtype(q)
         with torch.autocast(device_type=q.device.type, enabled=False):
             q, k, v = (x.to(dtype) for x in (q, k, v))
             if weights.conv is not None:

@@ -42,11 +42,11 @@ from zoo.cache import RecurrentLayer
 from zoo.ops.delta_rule import (
     DEFAULT_CHUNK,
     carried,
-    compute_dtype,
     delta_rule,
     delta_rule_flops,
     delta_rule_recurrence,
     l2_normalized,
+    state_dtype,
 )
 from zoo.ops.fla_backend import model_dtype_inputs
 from zoo.ops.gated_linear import OutputNorm, normalized
@@ -96,7 +96,7 @@ class DeltaNetAttention(Variant):
     def prepare(self, q, k, v, call: AttentionCall, state: dict | None = None):
         """(q, k, v, β, log α or None) as the kernel takes them, in the compute dtype; padded tokens zeroed."""
         weights = self.layer_weights(call)
-        dtype = compute_dtype(q)
+        dtype = state_dtype(q)
         mask = call.padding_mask
         with torch.autocast(device_type=q.device.type, enabled=False):
             source = gate_source(weights.hidden_states, k, weights.beta.in_features, self.name).to(dtype)

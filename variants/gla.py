@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from zoo.cache import RecurrentLayer
-from zoo.ops.delta_rule import carried, compute_dtype
+from zoo.ops.delta_rule import carried, state_dtype
 from zoo.ops.fla_backend import model_dtype_inputs
 from zoo.ops.gated_linear import (
     LowRankDecay,
@@ -100,7 +100,7 @@ class GLAAttention(Variant):
     def prepare(self, q, k, v, call: AttentionCall, state: dict | None = None):
         """(q, k, v, log α) in the compute dtype, padded tokens zeroed (log α = 0 there)."""
         weights = self.layer_weights(call) if self.learns() else None
-        dtype = compute_dtype(q)
+        dtype = state_dtype(q)
         mask = call.padding_mask
         with torch.autocast(device_type=q.device.type, enabled=False):
             if self.decay == "fixed":

@@ -36,7 +36,7 @@ from zoo.ops.fla_backend import fla_delta_rule, fla_kernel
 DEFAULT_CHUNK = 64
 
 
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
+def state_dtype(x: torch.Tensor) -> torch.dtype:
     """fp64 for fp64 inputs, else fp32: the dtype states are accumulated in."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
@@ -194,7 +194,7 @@ def delta_rule(
     installed (:mod:`zoo.ops.fla_backend`; the same recurrence, an fp32 final state)."""
     if (kernel := fla_kernel("delta_rule" if log_decay is None else "gated_delta_rule", q, k, v)) is not None:
         return fla_delta_rule(kernel, q, k, v, beta, log_decay, scale, initial_state)
-    dtype, out_dtype = compute_dtype(v), v.dtype
+    dtype, out_dtype = state_dtype(v), v.dtype
     with torch.autocast(device_type=v.device.type, enabled=False):
         q, k, v, beta = (x.to(dtype) for x in (q, k, v, beta))
         batch, heads, n, d_k = k.shape
@@ -252,7 +252,7 @@ def delta_rule_recurrence(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The definition, one token at a time (the variants' ``reference`` and the tests): same arguments and results
     as :func:`delta_rule`. O(n·d_k·d_v) time, but a Python loop over tokens."""
-    dtype, out_dtype = compute_dtype(v), v.dtype
+    dtype, out_dtype = state_dtype(v), v.dtype
     with torch.autocast(device_type=v.device.type, enabled=False):
         q, k, v, beta = (x.to(dtype) for x in (q, k, v, beta))
         batch, heads, n, d_k = k.shape

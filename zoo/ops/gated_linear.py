@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.ops.delta_rule import compute_dtype
+from zoo.ops.delta_rule import state_dtype
 from zoo.ops.fla_backend import fla_gated_linear, fla_kernel
 
 CHANNEL_CHUNK = 16  # per-channel decay: the chunk products are C x C x d_k
@@ -50,7 +50,7 @@ def gated_linear_attention(
     per_channel = log_decay.dim() == 4
     if (kernel := fla_kernel("gla" if per_channel else "simple_gla", q, k, v)) is not None:
         return fla_gated_linear(kernel, q, k, v, log_decay, scale, initial_state)
-    dtype, out_dtype = compute_dtype(v), v.dtype
+    dtype, out_dtype = state_dtype(v), v.dtype
     with torch.autocast(device_type=v.device.type, enabled=False):
         q, k, v, g = (x.to(dtype) for x in (q, k, v, log_decay))
         batch, heads, n, d_k = k.shape
@@ -98,7 +98,7 @@ def gated_linear_recurrence(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The definition, token by token (the ``gla`` variant's ``reference`` and the tests); same arguments and
     results as :func:`gated_linear_attention`."""
-    dtype, out_dtype = compute_dtype(v), v.dtype
+    dtype, out_dtype = state_dtype(v), v.dtype
     with torch.autocast(device_type=v.device.type, enabled=False):
         q, k, v, g = (x.to(dtype) for x in (q, k, v, log_decay))
         batch, heads, n, d_k = k.shape
@@ -181,7 +181,7 @@ class OutputNorm(nn.Module):
 
     def forward(self, out: torch.Tensor) -> torch.Tensor:
         """out (B, H, n, d_v) -> the same shape and dtype, normalized in fp32 (fp64 for fp64)."""
-        x = out.to(compute_dtype(out))
+        x = out.to(state_dtype(out))
         x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps) * self.weight.to(x.dtype)
         return x.to(out.dtype)
 

@@ -105,7 +105,7 @@ def zoo_attention_forward(
         recomputed=module.training and not torch.compiler.is_compiling() and _patches.in_backward(),
     )
     device_type = query.device.type
-    query, key, value = compute_dtype(query, key, value, device_type)
+    query, key, value = in_compute_dtype(query, key, value, device_type)
     if torch.is_autocast_enabled(device_type):
         with torch.autocast(device_type=device_type, enabled=False):  # kernels choose their fp32 parts
             out = run_variant(variant, query, key, value, call)
@@ -116,7 +116,7 @@ def zoo_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-def compute_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, device_type: str | None = None):
+def in_compute_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, device_type: str | None = None):
     """q/k/v in one dtype, once, before any kernel: under autocast its dtype for the device (the rotary embedding
     returns fp32 q/k while v is bf16, and the CPU flash kernels autocast does not cover need one dtype); else the
     values' dtype. Kernels then run with autocast off, keep softmax statistics and recurrent states in fp32
