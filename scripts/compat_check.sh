@@ -7,9 +7,10 @@
 #   default: the release just below the floor, the floor and the newest tested release (read from zoo/compat.py).
 # Environment: COMPAT_DIR (default .compat: one venv per release, kept for re-runs), PYTHON (default python3).
 #
-# A release whose dependencies this registry lacks is installed with --no-deps over the floor's dependencies, and the
-# feature that needs the missing package is switched off (each such step is printed): transformers 5.25 requires
-# kernels>=0.19.1, the newest here is 0.17.2, so 5.25 runs without `kernels` and with USE_HUB_KERNELS=0.
+# A release whose requirements this registry lacks is installed with --no-deps over the floor's dependencies, and the
+# feature that needs the missing package is switched off (each such step is printed, with `pip check`'s line):
+# transformers 5.25 requires kernels>=0.19.1, the newest here is 0.17.2, so 5.25 runs without `kernels` and with
+# USE_HUB_KERNELS=0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -27,14 +28,17 @@ VERSIONS=("$@")
 # Each entry: what it checks (the contract suite only for the variants named in CONTRACT_VARIANTS).
 TESTS=(tests/test_patches.py tests/test_generate.py tests/test_compat.py tests/test_contract.py)
 CONTRACT_VARIANTS="sdpa or longformer or deltanet or budget"
-NO_DEPS_VERSIONS=" 5.25.0 "   # releases whose requirements this registry cannot satisfy
 declare -a SUMMARY
 
+release() {  # 5.24 -> 5.24.0: one spelling for every version named
+  "$PYTHON" -c "import sys; p = sys.argv[1].split('.'); print('.'.join(p + ['0'] * (3 - len(p))))" "$1"
+}
 older_than_floor() {  # $1 < FLOOR, by release numbers
   "$PYTHON" -c "import sys; v=lambda s: tuple(int(p) for p in s.split('.')[:2]); sys.exit(0 if v('$1') < v('$FLOOR') else 1)"
 }
 
-for version in "${VERSIONS[@]}"; do
+for requested in "${VERSIONS[@]}"; do
+  version=$(release "$requested")
   venv="$COMPAT_DIR/venv-$version"
   log="$COMPAT_DIR/$version.log"
   mkdir -p "$COMPAT_DIR"
@@ -46,21 +50,23 @@ for version in "${VERSIONS[@]}"; do
   # torch first (the CPU build on disk), then the project with the floor's dependencies, then the release itself.
   if ! { $pip install -q "torch==2.13.0" \
          && PYTHONWARNINGS="ignore:Editable installation:UserWarning" $pip install -q -e ".[dev]" \
-                "transformers==$FLOOR.0"; } >"$log" 2>&1; then
+                "transformers==$(release "$FLOOR")"; } >"$log" 2>&1; then
     SUMMARY+=("transformers $version: FAILED to install the project (see $log)"); continue
   fi
-  if [[ "$version" != "$FLOOR.0" && "$version" != "$FLOOR" ]]; then
-    if [[ "$NO_DEPS_VERSIONS" == *" $version "* ]] || older_than_floor "$version"; then
-      echo "    installing transformers==$version with --no-deps (its requirements are not all on this registry, or" \
-           "it is below the floor the project declares)"
+  if [[ "$version" != "$(release "$FLOOR")" ]]; then
+    if older_than_floor "$version"; then
+      echo "    below the floor the project declares: installing transformers==$version with --no-deps"
       $pip install -q --no-deps "transformers==$version" >>"$log" 2>&1
-    else
-      $pip install -q "transformers==$version" >>"$log" 2>&1
+    elif ! $pip install -q "transformers==$version" >>"$log" 2>&1; then
+      echo "    transformers==$version cannot be installed with its requirements here: $(grep -m1 'No matching' "$log")"
+      echo "    installing it with --no-deps over the floor's dependencies"
+      $pip install -q --no-deps "transformers==$version" >>"$log" 2>&1
     fi || { SUMMARY+=("transformers $version: FAILED to install (see $log)"); continue; }
   fi
-  if [[ "$NO_DEPS_VERSIONS" == *" $version "* ]]; then
-    echo "    $version declares kernels>=0.19.1, absent from this registry: running without kernels, USE_HUB_KERNELS=0"
-    $pip uninstall -q -y kernels >>"$log" 2>&1 || true
+  missing=$($pip check 2>/dev/null | grep -i "^transformers" || true)
+  [ -z "$missing" ] || echo "    pip check: $missing"
+  if echo "$missing" | grep -qi "kernels"; then
+    echo "    without the kernels package, transformers >= 5.25 refuses every from_pretrained: running with USE_HUB_KERNELS=0"
     env_vars+=(USE_HUB_KERNELS=0)
   fi
   installed=$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('transformers'))")
