@@ -1,0 +1,184 @@
+"""Mixture of Block Attention (MoBA, Lu et al. 2025): each query reads its own block and the ``top_k`` earlier blocks
+whose mean key scores highest against it, in one softmax.
+
+Keys are cut into blocks of ``block`` tokens counted from the row's first token (callers slice each row to its own
+span, :func:`zoo.ops.by_row_span`). The gate of query t for block j is ``q_t · mean(real keys of j)``; the blocks
+eligible are the complete blocks before t's own block that hold a real key. Ties are broken towards the earlier block
+(a stable sort), the same in the kernel, the dense reference and decoding. The selection is made chunk by chunk of
+queries (scores (chunk, blocks), never n x n) without gradient: the gate is a hard choice, as in the paper.
+
+The attention then runs on :func:`zoo.ops.gathered_attention` with one entry per query (its selected blocks and its
+own block; the own block causal inside): O(n·(k + 1)·block·d) time, O(n·k) memory for the selection, chunks of the
+gathered keys recomputed in the backward. The gate costs O(n·(n / block)·d).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zoo.call import AttentionCall
+from zoo.ops.blocked import rows_attention
+from zoo.ops.dense import pad_to_multiple
+from zoo.ops.gathered import gathered_attention
+
+# Gate scores per selection chunk (4 MB in fp32).
+SCORE_CHUNK_ELEMENTS = 2**20
+
+
+def masked_block_mean(blocks: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean of the real keys of each block. ``blocks`` (..., J, block, D) fp32; ``real`` broadcastable to
+    (..., J, block) bool. Returns (means (..., J, D) fp32, real keys per block (..., J)). Shared by the kernel and
+    the decoding cache, so both summarize a block with the same arithmetic."""
+    weights = real.to(blocks.dtype)
+    counts = weights.sum(-1)
+    return (blocks * weights[..., None]).sum(-2) / counts.clamp_min(1.0)[..., None], counts
+
+
+def block_means(k: torch.Tensor, real: torch.Tensor | None, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of ``block`` keys from position 0: (means (B, H, nb, D) fp32, holds a real key (B|1, 1, nb) bool).
+
+    k (B, H, n, D); ``real`` (B|1, n) bool or None. The last block may be partial (it is only ever some query's own
+    block, which is not scored)."""
+    n = k.shape[-2]
+    blocks = pad_to_multiple(k.float(), block).unflatten(-2, (-1, block))
+    if real is None:
+        real = torch.ones(1, n, dtype=torch.bool, device=k.device)
+    real = pad_to_multiple(real, block, dim=-1, value=False).view(real.shape[0], 1, -1, block)
+    means, counts = masked_block_mean(blocks, real)
+    return means, counts > 0
+
+
+def top_blocks(scores: torch.Tensor, eligible: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``top_k`` eligible blocks of the highest gate score, ties to the earlier block.
+
+    scores (..., nb) fp32; eligible broadcastable to it. Returns (blocks (..., k') long, chosen (..., k') bool) with
+    k' = min(top_k, nb); a slot is not chosen when fewer blocks are eligible."""
+    count = min(top_k, scores.shape[-1])
+    scores = scores.masked_fill(~eligible, float("-inf"))
+    ranked, order = scores.sort(dim=-1, descending=True, stable=True)
+    return order[..., :count], ranked[..., :count] > float("-inf")
+
+
+def select_blocks(q: torch.Tensor, means: torch.Tensor, filled: torch.Tensor, own: torch.Tensor, top_k: int):
+    """Each query's ``top_k`` earlier blocks, chunk by chunk of queries, without gradient.
+
+    q (B, H, Q, D); means (B|1, H, nb, D) fp32; filled (B|1, 1|H, nb) bool: the block holds a real key; own
+    (B|1, Q) long: each query's own block (only blocks before it are eligible). Returns (blocks, chosen), each
+    (B, H, Q, min(top_k, nb))."""
+    batch, heads, count, _ = q.shape
+    nb = means.shape[-2]
+    step = max(1, SCORE_CHUNK_ELEMENTS // max(1, batch * heads * nb))
+    numbers = torch.arange(nb, device=q.device)
+    picked, chosen = [], []
+    with torch.no_grad():
+        for start in range(0, count, step):
+            rows = slice(start, min(start + step, count))
+            scores = torch.matmul(q[:, :, rows].float(), means.transpose(-1, -2))  # (B, H, C, nb)
+            eligible = (numbers < own[:, None, rows, None]) & filled[:, :, None, :]
+            blocks, ok = top_blocks(scores, eligible, top_k)
+            picked.append(blocks)
+            chosen.append(ok)
+    return torch.cat(picked, 2), torch.cat(chosen, 2)
+
+
+def moba_selection(q: torch.Tensor, k: torch.Tensor, call: AttentionCall, block: int, top_k: int):
+    """The blocks each query reads, in the coordinates of one row span (positions 0 .. n - 1, the queries the last
+    Q keys, ``call.padding_mask`` (B, n) or None): (blocks (B, H, Q, R) long, chosen (B, H, Q, R) bool, query
+    positions (Q,)); the last of the R = min(top_k, nb) + 1 slots is the query's own block."""
+    batch, heads, count, _ = q.shape
+    n = k.shape[-2]
+    positions = torch.arange(n - count, n, device=q.device)
+    own = (positions // block)[None]
+    means, filled = block_means(k, call.padding_mask, block)
+    blocks, chosen = select_blocks(q, means, filled, own, top_k)
+    own_slot = own[:, None, :, None].expand(batch, heads, count, 1)
+    blocks = torch.cat([blocks, own_slot], -1)
+    chosen = torch.cat([chosen, torch.ones_like(own_slot, dtype=torch.bool)], -1)
+    return blocks, chosen, positions
+
+
+def moba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, block: int,
+                   top_k: int) -> torch.Tensor:
+    """(B, H, Q, Dv): causal MoBA over one row span (see :func:`moba_selection`), one gathered entry per query."""
+    batch, heads, count, dim = q.shape
+    n = k.shape[-2]
+    blocks, chosen, positions = moba_selection(q, k, call, block, top_k)
+    slots = blocks.shape[-1]
+    nb = -(-n // block)
+    real = call.padding_mask if call.padding_mask is not None else torch.ones(1, n, dtype=torch.bool,
+                                                                              device=q.device)
+    real = pad_to_multiple(real, block, dim=-1, value=False)
+    flat_blocks, flat_chosen = blocks.view(-1, slots), chosen.view(-1, slots)
+    within = torch.arange(block, device=q.device)
+
+    def allowed(start: int, stop: int) -> torch.Tensor:
+        entries = torch.arange(start, stop, device=q.device)
+        row = entries // (heads * count) if real.shape[0] > 1 else torch.zeros_like(entries)
+        key_pos = (flat_blocks[start:stop, :, None] * block + within).flatten(1)  # (e, R·block)
+        ok = flat_chosen[start:stop].repeat_interleave(block, -1) & real[row[:, None], key_pos]
+        return (ok & (key_pos <= positions[entries % count, None]))[:, None, :]
+
+    first_block = (torch.arange(batch * heads, device=q.device) * nb).view(batch, heads, 1, 1)
+    index = (blocks + first_block).view(-1, slots)
+    out = gathered_attention(q.reshape(-1, 1, dim), pad_to_multiple(k, block).reshape(-1, block, dim),
+                             pad_to_multiple(v, block).reshape(-1, block, v.shape[-1]), index, allowed, call)
+    return out.view(batch, heads, count, -1)
+
+
+def moba_allowed(q: torch.Tensor, k: torch.Tensor, call: AttentionCall, block: int, top_k: int) -> torch.Tensor:
+    """The dense (B, H, Q, n) bool mask of the keys :func:`moba_attention` reads in one row span: O(n²), tests only."""
+    n = k.shape[-2]
+    blocks, chosen, positions = moba_selection(q, k, call, block, top_k)
+    nb = -(-n // block)
+    picked = torch.zeros(*blocks.shape[:-1], nb, dtype=torch.long, device=q.device)
+    picked = picked.scatter_add_(-1, blocks, chosen.long()) > 0
+    allowed = picked.repeat_interleave(block, -1)[..., :n] & (torch.arange(n, device=q.device) <= positions[:, None])
+    if call.padding_mask is not None:
+        allowed = allowed & call.padding_mask[:, None, None, :]
+    return allowed
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, block: int, top_k: int,
+                     means: torch.Tensor, filled: torch.Tensor, chunk: int = 16) -> torch.Tensor:
+    """New queries over a cache of every key: (B, H, Q, Dv). Blocks count from each row's first real token
+    (``call.row_start``); ``means`` (B, H, J, D) fp32 and ``filled`` (B, J) bool summarize each row's complete
+    blocks (the decoding cache keeps them), so a step costs O(J·d + (k + 1)·block·d), not O(n·d).
+
+    Each chunk of ``chunk`` queries gathers its keys ((k + 1)·block per query) and runs one softmax over them."""
+    batch, heads, count, dim = q.shape
+    n = k.shape[-2]
+    starts = call.row_start if call.row_start is not None else torch.zeros(batch, dtype=torch.long, device=q.device)
+    starts = starts.to(q.device)
+    positions = call.query_positions(count, n, q.device)
+    own = torch.div(positions[None] - starts[:, None], block, rounding_mode="floor").clamp(min=0)  # (B, Q)
+    blocks, chosen = select_blocks(q, means, filled[:, None], own, top_k)
+    blocks = torch.cat([blocks, own[:, None, :, None].expand(batch, heads, count, 1)], -1)
+    chosen = torch.cat([chosen, torch.ones_like(blocks[..., :1], dtype=torch.bool)], -1)
+    within = torch.arange(block, device=q.device)
+    key_pos = ((blocks * block)[..., None] + within).flatten(-2) + starts[:, None, None, None]  # (B, H, Q, R·block)
+    ok = chosen.repeat_interleave(block, -1) & (key_pos <= positions[:, None]) & (key_pos < n)
+    key_pos = key_pos.clamp(max=n - 1)
+    if call.padding_mask is not None:
+        rows = torch.arange(batch, device=q.device)[:, None, None, None]
+        ok = ok & call.padding_mask[rows, key_pos]
+    b = torch.arange(batch, device=q.device)[:, None, None]
+    h = torch.arange(heads, device=q.device)[None, :, None]
+    outs = []
+    for start in range(0, count, chunk):
+        rows = slice(start, min(start + chunk, count))
+        index = key_pos[:, :, rows].flatten(-2)  # (B, H, C·K)
+        keys, values = (x[b, h, index].unflatten(2, (-1, key_pos.shape[-1])) for x in (k, v))  # (B, H, C, K, D)
+        out = rows_attention(q[:, :, rows, None, :].flatten(0, 1), keys.flatten(0, 1), values.flatten(0, 1),
+                             ok[:, :, rows, None, :].flatten(0, 1), call)
+        outs.append(out.view(batch, heads, -1, v.shape[-1]))
+    return torch.cat(outs, 2)
+
+
+def moba_flops(n: int, heads: int, head_dim: int, block: int, top_k: int) -> float:
+    """Forward FLOPs at length n (causal): the gate (each query scores the blocks before its own) and attention over
+    (up to) ``top_k`` whole blocks plus half its own block on average."""
+    nb = -(-n // block)
+    gate = 2.0 * heads * head_dim * n * (nb - 1) / 2
+    keys = sum(min(top_k, j) for j in range(nb)) * block * block + n * (block + 1) / 2
+    return gate + 4.0 * heads * head_dim * keys
+
