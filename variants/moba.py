@@ -143,8 +143,10 @@ class MoBALayer(GrowingLayer):
         if self.summarized is not None and self.is_initialized:
             complete = torch.div(self.seen - self.row_start, self.block_size, rounding_mode="floor").clamp(min=0)
             self.summarized = torch.minimum(self.summarized, complete)
-            numbers = torch.arange(self.filled.shape[-1], device=self.filled.device)
-            self.filled = self.filled & (numbers < self.summarized[:, None])
+            kept = int(self.summarized.max())
+            numbers = torch.arange(kept, device=self.filled.device)
+            self.means = self.means[:, :, :kept]
+            self.filled = self.filled[:, :kept] & (numbers < self.summarized[:, None])
 
     def _map_summaries(self, fn) -> None:
         if self.means is not None:
