@@ -81,6 +81,36 @@ def test_kernel_reads_the_keys_the_per_query_loop_selects(padding, block, top_k)
     assert int(allowed[..., -1, :].sum(-1).max()) <= (top_k + 1) * block < n
 
 
+def test_padding_inside_a_row_is_left_out_of_the_block_means():
+    """A hole of padding in a row (the per-query kernel): a block's gate reads the mean of its real keys only."""
+    n, block, top_k = 40, 8, 1
+    q, k, v = qkv(n)
+    mask = torch.ones(2, n, dtype=torch.bool)
+    mask[1, 3:7] = False
+    k[1, :, 3:7] = 100.0  # would dominate block 0's mean if it counted
+    out = run_variant(MoBAAttention(block_size=block, top_k=top_k), q, k, v, make_call(True, mask, DIM))
+    torch.testing.assert_close(out, naive_attention(q, k, v, mask, block, top_k), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["block-grouped", "per-query"])
+def test_both_kernels_hold_to_the_selection_with_gradients(dtype):
+    """fp32 on CPU runs the kernel grouped by key block, fp64 the gathered one per query: both equal the loop."""
+    n, block, top_k = 45, 6, 2
+    q, k, v = (x.to(dtype) for x in qkv(n))
+    grad_out = torch.randn(2, HEADS, n, DIM, generator=torch.Generator().manual_seed(3)).to(dtype)
+    grads = []
+    for run in ("kernel", "loop"):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        if run == "kernel":
+            out = run_variant(MoBAAttention(block_size=block, top_k=top_k), *leaves, make_call(True, None, DIM))
+        else:
+            out = naive_attention(*leaves, None, block, top_k)
+        (out * grad_out).sum().backward()
+        grads.append([out.detach()] + [x.grad for x in leaves])
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
 def test_selection_is_per_query_head():
     q, k, _ = qkv(64, batch=1, heads=4)
     k[:, 1] = k[:, 0]  # two heads of one KV group: the same keys, their own queries

@@ -5,11 +5,18 @@ Keys are cut into blocks of ``block`` tokens counted from the row's first token 
 span, :func:`zoo.ops.by_row_span`). The gate of query t for block j is ``q_t · mean(real keys of j)``; the blocks
 eligible are the complete blocks before t's own block that hold a real key. Ties are broken towards the earlier block
 (a stable sort), the same in the kernel, the dense reference and decoding. The selection is made chunk by chunk of
-queries (scores (chunk, blocks), never n x n) without gradient: the gate is a hard choice, as in the paper.
+queries (scores (chunk, blocks), never n x n) without gradient: the gate is a hard choice, as in the paper. It costs
+O(n·(n / block)·d) time.
 
-The attention then runs on :func:`zoo.ops.gathered_attention` with one entry per query (its selected blocks and its
-own block; the own block causal inside): O(n·(k + 1)·block·d) time, O(n·k) memory for the selection, chunks of the
-gathered keys recomputed in the backward. The gate costs O(n·(n / block)·d).
+Attention, O(n·(top_k + 1)·block·d) time:
+
+* CPU, a span without padding (the common case): grouped by key block, as the paper's kernel does. Each chosen key
+  block runs one flash call with the queries that chose it (gathered: O(n·k·d), the keys are read in place), the own
+  blocks one blocked causal call; the parts merge through their log-sum-exps (one softmax, exact joint gradient) and
+  the backward recomputes each part from the merged output (as :mod:`zoo.ops.union`). Under attention dropout the
+  parts run :mod:`zoo.ops.dropout`'s kernels.
+* Otherwise (padding inside the span, fewer queries than keys, CUDA, fp64): one gathered entry per query over its
+  blocks (:func:`zoo.ops.gathered_attention`).
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import torch
 from zoo.call import AttentionCall
 from zoo.ops.blocked import rows_attention
 from zoo.ops.dense import pad_to_multiple
+from zoo.ops.dropout import Dropout, attention_backward, attention_forward
+from zoo.ops.flash import additive_mask, flash_available
 from zoo.ops.gathered import gathered_attention
 
 # Gate scores per selection chunk (4 MB in fp32).
@@ -99,10 +108,21 @@ def moba_selection(q: torch.Tensor, k: torch.Tensor, call: AttentionCall, block:
 
 def moba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, block: int,
                    top_k: int) -> torch.Tensor:
-    """(B, H, Q, Dv): causal MoBA over one row span (see :func:`moba_selection`), one gathered entry per query."""
+    """(B, H, Q, Dv): causal MoBA over one row span (see :func:`moba_selection`)."""
+    blocks, chosen, positions = moba_selection(q, k, call, block, top_k)
+    if flash_available(q) and call.padding_mask is None and q.shape[-2] == k.shape[-2]:
+        batch, heads, n, _ = q.shape
+        picked = _by_key_block(blocks[..., :-1], chosen[..., :-1], -(-n // block))
+        padded = [pad_to_multiple(x, block).unflatten(-2, (-1, block)).flatten(0, 1) for x in (q, k, v)]
+        out = _BlockGroupedMoBA.apply(call.scaling, picked, Dropout.of(call), *padded)
+        return out.view(batch, heads, -1, out.shape[-1])[:, :, :n]
+    return _per_query_attention(q, k, v, call, block, blocks, chosen, positions)
+
+
+def _per_query_attention(q, k, v, call: AttentionCall, block: int, blocks, chosen, positions) -> torch.Tensor:
+    """One :func:`zoo.ops.gathered_attention` entry per query over its chosen blocks and its own (causal, padding)."""
     batch, heads, count, dim = q.shape
     n = k.shape[-2]
-    blocks, chosen, positions = moba_selection(q, k, call, block, top_k)
     slots = blocks.shape[-1]
     nb = -(-n // block)
     real = call.padding_mask if call.padding_mask is not None else torch.ones(1, n, dtype=torch.bool,
@@ -123,6 +143,84 @@ def moba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Atte
     out = gathered_attention(q.reshape(-1, 1, dim), pad_to_multiple(k, block).reshape(-1, block, dim),
                              pad_to_multiple(v, block).reshape(-1, block, v.shape[-1]), index, allowed, call)
     return out.view(batch, heads, count, -1)
+
+
+class _KeyBlockGroups:
+    """The (query, slot) pairs of each (row·head, key block): ``keys`` (G,) the flat key block p·nb + j of each
+    non-empty group, ``rows``/``queries``/``slots`` (pairs,) sorted by group, ``bounds`` (G + 1,) offsets."""
+
+    def __init__(self, rows, queries, slots, keys, bounds, slot_count):
+        self.rows, self.queries, self.slots, self.keys, self.bounds = rows, queries, slots, keys, bounds
+        self.slot_count = slot_count
+
+    def groups(self):
+        """(group number, flat key block, slice of the pairs) per non-empty group."""
+        bounds = self.bounds.tolist()
+        for number, key in enumerate(self.keys.tolist()):
+            yield number, key, slice(bounds[number], bounds[number + 1])
+
+
+def _by_key_block(blocks: torch.Tensor, chosen: torch.Tensor, nb: int) -> _KeyBlockGroups:
+    """Group the chosen (query, slot) pairs of blocks/chosen (B, H, Q, k) by (row·head, key block)."""
+    flat_blocks, flat_chosen = blocks.flatten(0, 1), chosen.flatten(0, 1)
+    rows, queries, slots = flat_chosen.nonzero(as_tuple=True)
+    keys = rows * nb + flat_blocks[rows, queries, slots]
+    order = keys.argsort(stable=True)
+    rows, queries, slots, keys = rows[order], queries[order], slots[order], keys[order]
+    distinct, counts = torch.unique_consecutive(keys, return_counts=True)
+    bounds = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    return _KeyBlockGroups(rows, queries, slots, distinct, bounds, blocks.shape[-1])
+
+
+class _BlockGroupedMoBA(torch.autograd.Function):
+    """q/k/v (P, nb, block, D) (P = rows·heads): own blocks causal in one flash call, each chosen key block with the
+    queries that chose it in one call each; merged by log-sum-exp; the backward recomputes every part."""
+
+    @staticmethod
+    def forward(ctx, scale, picked: _KeyBlockGroups, dropout: Dropout, q, k, v):
+        parts, nb, block, _ = q.shape
+        causal = additive_mask(torch.ones(block, block, dtype=torch.bool, device=q.device).tril(), q.dtype)
+        own_out, own_lse = attention_forward(q, k, v, causal, scale, dropout.child(0))
+        flat_q = q.view(parts, nb * block, q.shape[-1])
+        count = flat_q.shape[1]
+        outs = own_out.new_zeros(parts, count, picked.slot_count + 1, v.shape[-1])
+        lses = own_lse.new_full((parts, count, picked.slot_count + 1), float("-inf"))
+        outs[:, :, -1] = own_out.reshape(parts, count, -1)
+        lses[:, :, -1] = own_lse.reshape(parts, count)
+        for number, key, pairs in picked.groups():
+            row, rows = key // nb, picked.queries[pairs]
+            out, lse = attention_forward(flat_q[row, rows][None, None], k[row, key % nb][None, None],
+                                         v[row, key % nb][None, None], None, scale, dropout.child(1, number))
+            outs[row, rows, picked.slots[pairs]] = out[0, 0]
+            lses[row, rows, picked.slots[pairs]] = lse[0, 0]
+        total = torch.logsumexp(lses, -1)
+        merged = (outs * torch.exp(lses - total[..., None])[..., None].to(outs.dtype)).sum(2)
+        ctx.scale, ctx.picked, ctx.dropout = scale, picked, dropout
+        ctx.save_for_backward(q, k, v, merged, total)
+        return merged
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, merged, total = ctx.saved_tensors
+        picked, scale = ctx.picked, ctx.scale
+        parts, nb, block, _ = q.shape
+        causal = additive_mask(torch.ones(block, block, dtype=torch.bool, device=q.device).tril(), q.dtype)
+        grad = grad.contiguous()
+        grad_q, grad_k, grad_v = attention_backward(
+            grad.view_as(q), q, k, v, merged.view(*q.shape[:3], -1), total.view(q.shape[:3]), causal, scale,
+            ctx.dropout.child(0))
+        grad_q, grad_k, grad_v = (x.contiguous() for x in (grad_q, grad_k, grad_v))
+        flat_q, flat_grad_q = q.view(parts, nb * block, -1), grad_q.view(parts, nb * block, -1)
+        for number, key, pairs in picked.groups():
+            row, rows = key // nb, picked.queries[pairs]
+            gq, gk, gv = attention_backward(
+                grad[row, rows][None, None], flat_q[row, rows][None, None], k[row, key % nb][None, None],
+                v[row, key % nb][None, None], merged[row, rows][None, None], total[row, rows][None, None], None,
+                scale, ctx.dropout.child(1, number))
+            flat_grad_q[row].index_add_(0, rows, gq[0, 0])
+            grad_k[row, key % nb] += gk[0, 0]
+            grad_v[row, key % nb] += gv[0, 0]
+        return None, None, None, grad_q, grad_k, grad_v
 
 
 def moba_allowed(q: torch.Tensor, k: torch.Tensor, call: AttentionCall, block: int, top_k: int) -> torch.Tensor:
