@@ -92,25 +92,6 @@ def test_padding_inside_a_row_is_left_out_of_the_block_means():
     torch.testing.assert_close(out, naive_attention(q, k, v, mask, block, top_k), atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["block-grouped", "per-query"])
-def test_both_kernels_hold_to_the_selection_with_gradients(dtype):
-    """fp32 on CPU runs the kernel grouped by key block, fp64 the gathered one per query: both equal the loop."""
-    n, block, top_k = 45, 6, 2
-    q, k, v = (x.to(dtype) for x in qkv(n))
-    grad_out = torch.randn(2, HEADS, n, DIM, generator=torch.Generator().manual_seed(3)).to(dtype)
-    grads = []
-    for run in ("kernel", "loop"):
-        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        if run == "kernel":
-            out = run_variant(MoBAAttention(block_size=block, top_k=top_k), *leaves, make_call(True, None, DIM))
-        else:
-            out = naive_attention(*leaves, None, block, top_k)
-        (out * grad_out).sum().backward()
-        grads.append([out.detach()] + [x.grad for x in leaves])
-    for got, want in zip(*grads, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
-
-
 def test_selection_is_per_query_head():
     q, k, _ = qkv(64, batch=1, heads=4)
     k[:, 1] = k[:, 0]  # two heads of one KV group: the same keys, their own queries
@@ -161,12 +142,15 @@ def test_top_k_at_least_the_blocks_is_causal_dense_attention(padding):
                                           make_call(True, mask, DIM)), want, atol=1e-3)
 
 
-def test_gradients_match_the_per_query_loop():
+@pytest.mark.parametrize(("dtype", "padded"), [(torch.float32, False), (torch.float64, False), (torch.float32, True)],
+                         ids=["block-grouped", "per-query", "left-padded"])
+def test_outputs_and_gradients_match_the_per_query_loop(dtype, padded):
+    """fp32 on CPU runs the kernel grouped by key block, fp64 the gathered one per query: both equal the loop."""
     n, block, top_k = 45, 6, 2
-    q, k, v = qkv(n)
-    mask = left_padded(2, n, 5)
-    grad_out = torch.randn(2, HEADS, n, DIM, generator=torch.Generator().manual_seed(3))
-    grads = []
+    q, k, v = (x.to(dtype) for x in qkv(n))
+    mask = left_padded(2, n, 5) if padded else None
+    grad_out = torch.randn(2, HEADS, n, DIM, generator=torch.Generator().manual_seed(3)).to(dtype)
+    results = []
     for run in ("kernel", "loop"):
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
         if run == "kernel":
@@ -174,8 +158,8 @@ def test_gradients_match_the_per_query_loop():
         else:
             out = naive_attention(*leaves, mask, block, top_k)
         (out * grad_out).sum().backward()
-        grads.append([x.grad for x in leaves])
-    for got, want in zip(*grads, strict=True):
+        results.append([out.detach()] + [x.grad for x in leaves])
+    for got, want in zip(*results, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
