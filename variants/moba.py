@@ -68,22 +68,20 @@ class MoBAAttention(Variant):
         return MoBALayer(self.block_size)
 
 
-class MoBALayer(GrowingLayer):
-    """Every key (:class:`zoo.cache.GrowingLayer`) and, per row and KV head, the mean key of each complete block
-    counted from the row's first real token (``means`` (B, H_kv, J, D) fp32, ``filled`` (B, J): the block holds a
-    real key). Blocks are summarized when the kernel first asks after they complete, with the arithmetic of the
-    full forward (:func:`zoo.ops.moba.masked_block_mean`)."""
+class KernelStateLayer(GrowingLayer):
+    """Every key (:class:`zoo.cache.GrowingLayer`), handed to the kernel (``call.cache``) with per-row state the
+    kernel keeps in it (``state_names``: tensors with the batch first, or None), reordered with the beams and
+    counted by :meth:`nbytes`. The kernel sees keys at positions 0 .. n - 1 and the padding mask over all of them."""
 
-    def __init__(self, block_size: int) -> None:
+    state_names: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
         super().__init__()
-        self.block_size = block_size
-        self._clear_summaries()
+        self.clear_state()
 
-    def _clear_summaries(self) -> None:
-        self.means: torch.Tensor | None = None
-        self.filled: torch.Tensor | None = None
-        self.summarized: torch.Tensor | None = None  # (B,) blocks summarized per row
-        self.row_start: torch.Tensor | None = None  # (B,) as the last call gave it
+    def clear_state(self) -> None:
+        for name in self.state_names:
+            setattr(self, name, None)
 
     @property
     def seen(self) -> int:
@@ -97,14 +95,53 @@ class MoBALayer(GrowingLayer):
         """Every key is kept: the padding mask over every token seen, as it is."""
         if attention_mask is not None and attention_mask.shape[-1] != self.seen:
             raise ValueError(
-                f"attention-zoo MoBALayer: the padding mask covers {attention_mask.shape[-1]} tokens but the cache has "
-                f"seen {self.seen}. Pass an attention_mask over every token so far (as generate does)."
+                f"attention-zoo {type(self).__name__}: the padding mask covers {attention_mask.shape[-1]} tokens but "
+                f"the cache has seen {self.seen}. Pass an attention_mask over every token so far (as generate does)."
             )
         return attention_mask
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         hand_to_kernel(self, kwargs)
         return super().update(key_states, value_states, *args, **kwargs)
+
+    def _map_state(self, fn) -> None:
+        for name in self.state_names:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, fn(value))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._map_state(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._map_state(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._map_state(lambda x: x[indices])
+
+    def reset(self) -> None:
+        super().reset()
+        self.clear_state()
+
+    def nbytes(self) -> int:
+        state = (getattr(self, name) for name in self.state_names)
+        return super().nbytes() + sum(x.numel() * x.element_size() for x in state if x is not None)
+
+
+class MoBALayer(KernelStateLayer):
+    """Every key and, per row and KV head, the mean key of each complete block counted from the row's first real
+    token (``means`` (B, H_kv, J, D) fp32, ``filled`` (B, J): the block holds a real key; ``summarized`` (B,)
+    blocks done; ``row_start`` (B,)). Blocks are summarized when the kernel first asks after they complete, with the
+    arithmetic of the full forward (:func:`zoo.ops.moba.masked_block_mean`)."""
+
+    state_names = ("means", "filled", "summarized", "row_start")
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__()
+        self.block_size = block_size
 
     def block_summaries(self, padding_mask: torch.Tensor | None, row_start: torch.Tensor | None,
                         heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,28 +184,3 @@ class MoBALayer(GrowingLayer):
             numbers = torch.arange(kept, device=self.filled.device)
             self.means = self.means[:, :, :kept]
             self.filled = self.filled[:, :kept] & (numbers < self.summarized[:, None])
-
-    def _map_summaries(self, fn) -> None:
-        if self.means is not None:
-            self.means, self.filled, self.summarized, self.row_start = (
-                fn(x) for x in (self.means, self.filled, self.summarized, self.row_start))
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self._map_summaries(lambda x: x.index_select(0, beam_idx.to(x.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        self._map_summaries(lambda x: x.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        self._map_summaries(lambda x: x[indices])
-
-    def reset(self) -> None:
-        super().reset()
-        self._clear_summaries()
-
-    def nbytes(self) -> int:
-        summaries = (self.means, self.filled, self.summarized, self.row_start)
-        return super().nbytes() + sum(x.numel() * x.element_size() for x in summaries if x is not None)
