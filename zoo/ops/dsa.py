@@ -22,8 +22,9 @@ import torch
 from zoo.call import AttentionCall
 from zoo.ops.dropout import Dropout, attention_backward, attention_forward
 from zoo.ops.flash import additive_mask, flash_available
+from zoo.ops.selection import select_by_query_chunks
 
-# Indexer scores (and gathered key elements) per chunk (4 MB in fp32).
+# Gathered key elements per attention chunk (4 MB in fp32).
 CHUNK_ELEMENTS = 2**20
 
 
@@ -60,20 +61,16 @@ def select_tokens(index_q: torch.Tensor, index_w: torch.Tensor, index_k: torch.T
     ``key_real`` (B|1, n) bool or None."""
     batch, count, heads, _ = index_q.shape
     n = index_k.shape[-2]
-    step = max(1, CHUNK_ELEMENTS // max(1, batch * heads * n))
     key_positions = torch.arange(n, device=index_q.device)
-    indices, chosen = [], []
-    with torch.no_grad():
-        for start in range(0, count, step):
-            rows = slice(start, min(start + step, count))
-            scores = indexer_scores(index_q[:, rows], index_w[:, rows], index_k)
-            eligible = (key_positions <= query_positions[rows, None])[None]
-            if key_real is not None:
-                eligible = eligible & key_real[:, None, :]
-            index, ok = top_tokens(scores, eligible.expand_as(scores), top_k)
-            indices.append(index)
-            chosen.append(ok)
-    return torch.cat(indices, 1), torch.cat(chosen, 1)
+
+    def select(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = indexer_scores(index_q[:, rows], index_w[:, rows], index_k)
+        eligible = (key_positions <= query_positions[rows, None])[None]
+        if key_real is not None:
+            eligible = eligible & key_real[:, None, :]
+        return top_tokens(scores, eligible.expand_as(scores), top_k)
+
+    return select_by_query_chunks(select, count, batch * heads * n, 1)
 
 
 def selected_mask(index: torch.Tensor, chosen: torch.Tensor, n: int) -> torch.Tensor:

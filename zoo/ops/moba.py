@@ -29,9 +29,7 @@ from zoo.ops.dense import pad_to_multiple
 from zoo.ops.dropout import Dropout, attention_backward, attention_forward
 from zoo.ops.flash import additive_mask, flash_available
 from zoo.ops.gathered import gathered_attention
-
-# Gate scores per selection chunk (4 MB in fp32).
-SCORE_CHUNK_ELEMENTS = 2**20
+from zoo.ops.selection import select_by_query_chunks
 
 
 def masked_block_mean(blocks: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,19 +73,13 @@ def select_blocks(q: torch.Tensor, means: torch.Tensor, filled: torch.Tensor, ow
     (B|1, Q) long: each query's own block (only blocks before it are eligible). Returns (blocks, chosen), each
     (B, H, Q, min(top_k, nb))."""
     batch, heads, count, _ = q.shape
-    nb = means.shape[-2]
-    step = max(1, SCORE_CHUNK_ELEMENTS // max(1, batch * heads * nb))
-    numbers = torch.arange(nb, device=q.device)
-    picked, chosen = [], []
-    with torch.no_grad():
-        for start in range(0, count, step):
-            rows = slice(start, min(start + step, count))
-            scores = torch.matmul(q[:, :, rows].float(), means.transpose(-1, -2))  # (B, H, C, nb)
-            eligible = (numbers < own[:, None, rows, None]) & filled[:, :, None, :]
-            blocks, ok = top_blocks(scores, eligible, top_k)
-            picked.append(blocks)
-            chosen.append(ok)
-    return torch.cat(picked, 2), torch.cat(chosen, 2)
+    numbers = torch.arange(means.shape[-2], device=q.device)
+
+    def select(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.matmul(q[:, :, rows].float(), means.transpose(-1, -2))  # (B, H, C, nb)
+        return top_blocks(scores, (numbers < own[:, None, rows, None]) & filled[:, :, None, :], top_k)
+
+    return select_by_query_chunks(select, count, batch * heads * len(numbers), 2)
 
 
 def moba_selection(q: torch.Tensor, k: torch.Tensor, call: AttentionCall, block: int, top_k: int):
