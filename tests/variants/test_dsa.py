@@ -117,6 +117,12 @@ def test_top_k_at_least_the_length_is_causal_dense_attention(padding):
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
 
 
+def outputs_and_gradients(attention, inputs, grad_out) -> list[torch.Tensor]:
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    out = attention(*leaves)
+    return [out.detach(), *torch.autograd.grad(out, leaves, grad_out)]
+
+
 @pytest.mark.parametrize(("dtype", "padded"), [(torch.float32, False), (torch.float64, False), (torch.float32, True)],
                          ids=["flash", "gathered-sdpa", "left-padded"])
 def test_outputs_and_gradients_match_the_per_query_loop(dtype, padded):
@@ -126,16 +132,10 @@ def test_outputs_and_gradients_match_the_per_query_loop(dtype, padded):
     variant = DSAAttention(index_heads=2, index_dim=8, top_k=top_k)
     weights = indexer_of(variant, dtype)
     grad_out = torch.randn(2, HEADS, n, DIM, generator=torch.Generator().manual_seed(3)).to(dtype)
-    results = []
-    for run in ("kernel", "loop"):
-        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        if run == "kernel":
-            out = run_variant(variant, *leaves, make_call(True, mask, head_dim=DIM, weights=weights))
-        else:
-            out = naive_attention(*leaves, mask, weights, top_k)
-        (out * grad_out).sum().backward()
-        results.append([out.detach()] + [x.grad for x in leaves])
-    for got, want in zip(*results, strict=True):
+    call = make_call(True, mask, head_dim=DIM, weights=weights)
+    kernel = outputs_and_gradients(lambda *x: run_variant(variant, *x, call), (q, k, v), grad_out)
+    loop = outputs_and_gradients(lambda *x: naive_attention(*x, mask, weights, top_k), (q, k, v), grad_out)
+    for got, want in zip(kernel, loop, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 

@@ -142,6 +142,12 @@ def test_top_k_at_least_the_blocks_is_causal_dense_attention(padding):
                                           make_call(True, mask, DIM)), want, atol=1e-3)
 
 
+def outputs_and_gradients(attention, inputs, grad_out) -> list[torch.Tensor]:
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    out = attention(*leaves)
+    return [out.detach(), *torch.autograd.grad(out, leaves, grad_out)]
+
+
 @pytest.mark.parametrize(("dtype", "padded"), [(torch.float32, False), (torch.float64, False), (torch.float32, True)],
                          ids=["block-grouped", "per-query", "left-padded"])
 def test_outputs_and_gradients_match_the_per_query_loop(dtype, padded):
@@ -150,16 +156,10 @@ def test_outputs_and_gradients_match_the_per_query_loop(dtype, padded):
     q, k, v = (x.to(dtype) for x in qkv(n))
     mask = left_padded(2, n, 5) if padded else None
     grad_out = torch.randn(2, HEADS, n, DIM, generator=torch.Generator().manual_seed(3)).to(dtype)
-    results = []
-    for run in ("kernel", "loop"):
-        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        if run == "kernel":
-            out = run_variant(MoBAAttention(block_size=block, top_k=top_k), *leaves, make_call(True, mask, DIM))
-        else:
-            out = naive_attention(*leaves, mask, block, top_k)
-        (out * grad_out).sum().backward()
-        results.append([out.detach()] + [x.grad for x in leaves])
-    for got, want in zip(*results, strict=True):
+    variant, call = MoBAAttention(block_size=block, top_k=top_k), make_call(True, mask, DIM)
+    kernel = outputs_and_gradients(lambda *x: run_variant(variant, *x, call), (q, k, v), grad_out)
+    loop = outputs_and_gradients(lambda *x: naive_attention(*x, mask, block, top_k), (q, k, v), grad_out)
+    for got, want in zip(kernel, loop, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
