@@ -73,7 +73,7 @@ class DSAAttention(Variant):
     supports_bidirectional = False
     supports_dropout = True
     time_complexity = "O(n²·h_I·d_I + n·k·d)"
-    memory_complexity = "O(n·(k + d))"
+    memory_complexity = "O(n·(k + d)); training the indexer: O(n·k·h_I)"
     params = {
         "index_heads": Param(4, int, "indexer heads (h_I)", min=1),
         "index_dim": Param(32, int, "channels of each indexer head (d_I)", min=1),

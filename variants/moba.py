@@ -35,7 +35,7 @@ class MoBAAttention(Variant):
     supports_bidirectional = False
     supports_dropout = True
     time_complexity = "O(n²·d/B + n·k·B·d)"
-    memory_complexity = "O(n·(k + d))"
+    memory_complexity = "O(n·k·d)"
     params = {
         "block_size": Param(512, int, "keys per block (B)", min=1),
         "top_k": Param(3, int, "earlier blocks each query reads besides its own (k)", min=0),
