@@ -28,7 +28,7 @@ from zoo.ops.blocked import rows_attention
 from zoo.ops.dense import pad_to_multiple
 from zoo.ops.dropout import Dropout, attention_backward, attention_forward
 from zoo.ops.flash import additive_mask, flash_available
-from zoo.ops.gathered import gathered_attention
+from zoo.ops.gathered import GATHER_CHUNK_ELEMENTS, gathered_attention
 from zoo.ops.selection import select_by_query_chunks
 
 
@@ -229,12 +229,13 @@ def moba_allowed(q: torch.Tensor, k: torch.Tensor, call: AttentionCall, block: i
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, block: int, top_k: int,
-                     means: torch.Tensor, filled: torch.Tensor, chunk: int = 16) -> torch.Tensor:
+                     means: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
     """New queries over a cache of every key: (B, H, Q, Dv). Blocks count from each row's first real token
     (``call.row_start``); ``means`` (B, H, J, D) fp32 and ``filled`` (B, J) bool summarize each row's complete
     blocks (the decoding cache keeps them), so a step costs O(J·d + (k + 1)·block·d), not O(n·d).
 
-    Each chunk of ``chunk`` queries gathers its keys ((k + 1)·block per query) and runs one softmax over them."""
+    Each chunk of queries gathers its keys ((k + 1)·block per query, about GATHER_CHUNK_ELEMENTS per chunk) and runs
+    one softmax over them."""
     batch, heads, count, dim = q.shape
     n = k.shape[-2]
     starts = call.row_start if call.row_start is not None else torch.zeros(batch, dtype=torch.long, device=q.device)
@@ -254,6 +255,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: At
     b = torch.arange(batch, device=q.device)[:, None, None]
     h = torch.arange(heads, device=q.device)[None, :, None]
     outs = []
+    chunk = max(1, GATHER_CHUNK_ELEMENTS // (batch * heads * key_pos.shape[-1] * dim))
     for start in range(0, count, chunk):
         rows = slice(start, min(start + chunk, count))
         index = key_pos[:, :, rows].flatten(-2)  # (B, H, C·K)
