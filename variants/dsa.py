@@ -82,6 +82,10 @@ class DSAAttention(Variant):
     }
     test_params = {"index_heads": 2, "index_dim": 8, "top_k": 16}
 
+    def __init__(self, **params) -> None:
+        super().__init__(**params)
+        self.trains_every_parameter = self.indexer_loss_weight > 0  # else the indexer gets no gradient (DDP)
+
     def make_module(self, layer_idx: int, config, head_dim: int, num_heads: int) -> nn.Module:
         return DSAIndexer(config.hidden_size, self.index_heads, self.index_dim)
 

@@ -198,6 +198,8 @@ def test_training_adds_the_indexer_loss_to_the_backward_and_nothing_else():
             assert grads[0.0][name] is None, f"{name}: the indexer trains by its loss only"
         else:
             torch.testing.assert_close(grad, grads[0.0][name], msg=lambda m, n=name: f"{n}: {m}")
+    # without its loss the indexer has no gradient: distributed training must look for unused parameters
+    assert DSAAttention().trains_every_parameter and not DSAAttention(indexer_loss_weight=0.0).trains_every_parameter
 
 
 def test_an_optimizer_lowers_the_indexer_loss():
