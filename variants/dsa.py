@@ -17,6 +17,9 @@ the attention's head-summed, L1-normalised probabilities over the selected keys 
 the indexer's input detached, the target without gradient) to the backward of its output, as DeepSeek's auxiliary
 losses are added: any loss that backpropagates through the layer trains the indexer by its KL and nothing else.
 The last value is kept in ``attention_zoo.last_loss`` (:func:`indexer_losses` collects them for logging).
+``dense_warmup=True`` is the paper's first stage of a retrofit: the attention is dense causal SDPA and the indexer
+learns the dense distribution over every eligible key (:func:`zoo.ops.dsa.dense_indexer_kl`, chunked, each chunk
+recomputed in the backward); freeze the rest of the model for it, then continue with ``dense_warmup=False``.
 
 Decoding (:class:`DSALayer`): every key and every token's indexer key; a step scores all indexer keys and reads
 ``top_k`` keys: O(n·h_I·d_I + top_k·d) per token.
@@ -27,9 +30,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 from zoo.variants.moba import KernelStateLayer
+from zoo.variants.sdpa import SDPAAttention
 
-from zoo.ops import softmax_attention
-from zoo.ops.dsa import dsa_flops, indexer_kl, select_tokens, selected_mask, token_attention
+from zoo.ops import allowed_mask, softmax_attention
+from zoo.ops.dsa import dense_indexer_kl, dsa_flops, indexer_kl, select_tokens, selected_mask, token_attention
 from zoo.ops.short_conv import gate_source
 from zoo.variant import AttentionCall, LayerWeights, Param, Variant
 
@@ -79,6 +83,7 @@ class DSAAttention(Variant):
         "index_dim": Param(32, int, "channels of each indexer head (d_I)", min=1),
         "top_k": Param(256, int, "keys each query reads (k)", min=1),
         "indexer_loss_weight": Param(1.0, float, "weight of the indexer's KL loss in training (0 = off)", min=0.0),
+        "dense_warmup": Param(False, bool, "dense causal attention; the indexer learns the dense distribution"),
     }
     test_params = {"index_heads": 2, "index_dim": 8, "top_k": 16}
 
@@ -97,7 +102,15 @@ class DSAAttention(Variant):
 
     def selection(self, q, k, call: AttentionCall):
         """(index, chosen) (B, Q, k') of the keys each query reads, and the indexer's inputs (q^I, w, k^I)."""
-        weights = self.layer_weights(call)
+        index_q, index_w, index_k = self.indexer_inputs(self.layer_weights(call), q, k, call)
+        n = k.shape[-2]
+        positions = torch.arange(n - q.shape[-2], n, device=q.device)
+        index, chosen = select_tokens(index_q, index_w, index_k, positions, call.padding_mask, self.top_k)
+        return index, chosen, (index_q, index_w, index_k)
+
+    def indexer_inputs(self, weights: DSAIndexer, q, k, call: AttentionCall):
+        """(q^I (B, Q, h_I, d_I), w (B, Q, h_I), k^I (B, n, d_I)) of the call's queries and keys; with the variant's
+        cache, this call's indexer keys are appended to it."""
         count, n = q.shape[-2], k.shape[-2]
         layer = call.cache if isinstance(call.cache, DSALayer) else None
         hidden = weights.hidden_states
@@ -115,26 +128,36 @@ class DSAAttention(Variant):
         index_q, index_w = index_q[:, -count:], index_w[:, -count:]
         if layer is not None:
             index_k = layer.add_index_keys(index_k)
-        positions = torch.arange(n - count, n, device=q.device)
-        index, chosen = select_tokens(index_q, index_w, index_k, positions, call.padding_mask, self.top_k)
-        return index, chosen, (index_q, index_w, index_k)
+        return index_q, index_w, index_k
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
-        index, chosen, indexer = self.selection(q, k, call)
-        out = token_attention(q, k, v, index, chosen, call)
-        weights = call.weights
+        weights = self.layer_weights(call)
         trains = call.training and torch.is_grad_enabled() and weights.key.weight.requires_grad
-        if trains and self.indexer_loss_weight > 0:
+        trains = trains and self.indexer_loss_weight > 0
+        if self.dense_warmup:
+            out = SDPAAttention().attend(q, k, v, call)
+            if not trains:
+                return out
+            indexer = self.indexer_inputs(weights, q, k, call)
+            loss = dense_indexer_kl(q.detach(), k.detach(), *indexer, call.scaling, call.padding_mask)
+        else:
+            index, chosen, indexer = self.selection(q, k, call)
+            out = token_attention(q, k, v, index, chosen, call)
+            if not trains:
+                return out
             real = None if call.padding_mask is None else call.padding_mask[:, -q.shape[-2]:].float()
             loss = indexer_kl(q.detach(), k.detach(), *indexer, index, chosen, call.scaling, real)
-            weights.last_loss = loss.detach()
-            out = _AddIndexerLoss.apply(out, loss * self.indexer_loss_weight)
-        return out
+        weights.last_loss = loss.detach()
+        return _AddIndexerLoss.apply(out, loss * self.indexer_loss_weight)
 
     def reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
-        """Dense softmax attention over exactly the keys the indexer selects (O(n²), tests only)."""
-        index, chosen, _ = self.selection(q, k, call)
-        allowed = selected_mask(index, chosen, k.shape[-2])[:, None]
+        """Dense softmax attention over exactly the keys the indexer selects (every key in the dense warm-up; O(n²),
+        tests only)."""
+        if self.dense_warmup:
+            allowed = allowed_mask(call, None, q.shape[0], 1, q.shape[-2], k.shape[-2], q.device)
+        else:
+            index, chosen, _ = self.selection(q, k, call)
+            allowed = selected_mask(index, chosen, k.shape[-2])[:, None]
         return softmax_attention(q, k, v, allowed, call.scaling)
 
 

@@ -13,7 +13,7 @@ from zoo.variants.dsa import DSAAttention, DSAIndexer, DSALayer, indexer_losses
 import zoo
 from zoo.cache import GrowingLayer, cache_nbytes
 from zoo.ops import softmax_attention
-from zoo.ops.dsa import indexer_kl, top_tokens
+from zoo.ops.dsa import dense_indexer_kl, indexer_kl, top_tokens
 from zoo.plug.dispatch import run_variant
 from zoo.testing import make_call, make_weights, reference
 
@@ -183,11 +183,40 @@ def tiny_llama(**params):
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def test_training_adds_the_indexer_loss_to_the_backward_and_nothing_else():
+def test_dense_warmup_attends_densely_and_its_loss_is_the_kl_against_the_dense_distribution():
+    n = 14
+    q, k, v = qkv(n)
+    mask = left_padded(n, 3)
+    variant = DSAAttention(index_heads=2, index_dim=8, top_k=2, dense_warmup=True)
+    weights = indexer_of(variant)
+    out = run_variant(variant, q, k, v, make_call(True, mask, head_dim=DIM, weights=weights))
+    allowed = torch.ones(n, n, dtype=torch.bool).tril() & mask[:, None, None, :]
+    want = softmax_attention(q, k, v, allowed, DIM**-0.5).masked_fill(~mask[:, None, :, None], 0.0)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
+    with torch.no_grad():
+        index_q, index_w, index_k = weights.project(k.transpose(1, 2).flatten(2))
+    loss = dense_indexer_kl(q, k, index_q, index_w, index_k, DIM**-0.5, mask)
+    expected, queries = 0.0, 0
+    for b in range(2):
+        for t in range(n):
+            keys = [s for s in range(t + 1) if mask[b, s]]
+            if not mask[b, t]:
+                continue
+            attention = torch.einsum("hd,hkd->hk", q[b, :, t], k[b, :, keys]) * DIM**-0.5
+            target = torch.softmax(attention, -1).sum(0)
+            target = target / target.sum()
+            scores = ((index_q[b, t] @ index_k[b, keys].T).relu() * index_w[b, t, :, None]).sum(0)
+            expected += float((target * (target.log() - torch.log_softmax(scores, -1))).sum())
+            queries += 1
+    assert float(loss) == pytest.approx(expected / queries, rel=1e-5)
+
+
+@pytest.mark.parametrize("dense_warmup", [False, True], ids=["sparse", "dense-warmup"])
+def test_training_adds_the_indexer_loss_to_the_backward_and_nothing_else(dense_warmup):
     ids = torch.randint(3, 64, (2, 24), generator=torch.Generator().manual_seed(1))
     grads = {}
     for weight in (1.0, 0.0):
-        model = tiny_llama(indexer_loss_weight=weight).train()
+        model = tiny_llama(indexer_loss_weight=weight, dense_warmup=dense_warmup).train()
         model(input_ids=ids, labels=ids).loss.backward()
         grads[weight] = {name: p.grad for name, p in model.named_parameters()}
         if weight:
@@ -202,8 +231,9 @@ def test_training_adds_the_indexer_loss_to_the_backward_and_nothing_else():
     assert DSAAttention().trains_every_parameter and not DSAAttention(indexer_loss_weight=0.0).trains_every_parameter
 
 
-def test_an_optimizer_lowers_the_indexer_loss():
-    model = tiny_llama().train()
+@pytest.mark.parametrize("dense_warmup", [False, True], ids=["sparse", "dense-warmup"])
+def test_an_optimizer_lowers_the_indexer_loss(dense_warmup):
+    model = tiny_llama(dense_warmup=dense_warmup).train()
     ids = torch.randint(3, 64, (2, 24), generator=torch.Generator().manual_seed(2))
     indexer = [p for name, p in model.named_parameters() if ".attention_zoo." in name]
     optimizer = torch.optim.Adam(indexer, lr=3e-2)
