@@ -8,6 +8,8 @@ import pytest
 import torch
 import transformers
 from transformers.cache_utils import DynamicCache, DynamicLayer, StaticCache
+from zoo.variants.dsa import DSALayer
+from zoo.variants.moba import MoBALayer
 
 import zoo
 from zoo.cache import (
@@ -43,6 +45,8 @@ VARIANTS = {
     "sparse-strided": ("sparse_transformer", {"stride": 4, "num_summary": 1}, GrowingLayer),
     "sparse-fixed": ("sparse_transformer", {"layout": "fixed", "stride": 4, "num_summary": 2}, WindowedLayer),
     "bigbird": ("bigbird", {"block_size": 4, "num_random_blocks": 1}, GrowingLayer),
+    "moba": ("moba", {"block_size": 4, "top_k": 1}, MoBALayer),
+    "dsa": ("dsa", {"index_heads": 2, "index_dim": 8, "top_k": 6}, DSALayer),
 }
 NEW_TOKENS = 10
 
@@ -317,7 +321,7 @@ def test_a_malformed_config_entry_names_the_entry_and_the_file(tmp_path, entry, 
 
 
 @pytest.mark.parametrize("variant", ["longformer-sinks", "xformers-window", "sparse-fixed", "linear", "performer",
-                                     "bigbird", "sparse-strided"])
+                                     "bigbird", "sparse-strided", "moba", "dsa"])
 def test_chunked_prefill_continues_from_the_cache(variant):
     """generate(prefill_chunk_size=...) feeds the prompt in pieces: every piece after the first decodes several
     tokens against the cache (windowed selection over many queries, a recurrent state advanced by a chunk)."""

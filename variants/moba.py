@@ -1,0 +1,186 @@
+"""``moba``: Mixture of Block Attention (Lu et al. 2025, Kimi), causal only.
+
+Keys in blocks of ``block_size`` tokens, counted from each row's first real token. Query t scores each complete
+block j before its own by ``q_t · mean(real keys of block j)`` (its gate; no parameters) and attends to its
+``top_k`` best such blocks plus its own block (causal inside it), one softmax over the union. Selection is per query
+head (as in the paper: with GQA the heads of a KV group choose separately, each against its group's block means);
+ties go to the earlier block; blocks without a real key are never chosen. ``top_k`` at least the number of blocks is
+causal dense attention. Bidirectional calls are refused: the gate is defined over the past (an encoder layer would
+have no "own block" boundary to read up to), so use another variant there.
+
+Kernel (:mod:`zoo.ops.moba`): each row over its own span (:func:`zoo.ops.by_row_span`), the gate chunk by chunk of
+queries (O(n²·d / block) time, never n x n), then one gathered entry per query over its chosen blocks
+(:func:`zoo.ops.gathered_attention`: O(n·(top_k + 1)·block·d), chunks recomputed in the backward). The gate is a hard
+choice and gets no gradient. :meth:`MoBAAttention.reference` is dense softmax attention restricted to the keys the
+kernel selects (tests only).
+
+Decoding (:class:`MoBALayer`): every key and the mean key of each complete block of each row; a step scores the
+block means and gathers its blocks: O(n·d / block + (top_k + 1)·block·d) per token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zoo.cache import GrowingLayer, hand_to_kernel
+from zoo.ops import by_row_span, softmax_attention
+from zoo.ops.moba import decode_attention, masked_block_mean, moba_allowed, moba_attention, moba_flops
+from zoo.variant import AttentionCall, Param, Variant
+
+
+class MoBAAttention(Variant):
+    name = "moba"
+    exact = True  # softmax attention restricted to the keys it selects (its reference)
+    supports_causal = True
+    supports_bidirectional = False
+    supports_dropout = True
+    time_complexity = "O(n²·d/B + n·k·B·d)"
+    memory_complexity = "O(n·k·d)"
+    params = {
+        "block_size": Param(512, int, "keys per block (B)", min=1),
+        "top_k": Param(3, int, "earlier blocks each query reads besides its own (k)", min=0),
+    }
+    test_params = {"block_size": 8, "top_k": 2}
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        layer = call.cache
+        if call.decoding and isinstance(layer, MoBALayer):
+            means, filled = layer.block_summaries(call.padding_mask, call.row_start, q.shape[1])
+            return decode_attention(q, k, v, call, self.block_size, self.top_k, means, filled)
+        return by_row_span(self._attend_span, q, k, v, call)
+
+    def _attend_span(self, q, k, v, call: AttentionCall) -> torch.Tensor:
+        return moba_attention(q, k, v, call, self.block_size, self.top_k)
+
+    def reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        """Dense softmax attention over exactly the keys the kernel's selection names (O(n²), tests only)."""
+
+        def restricted(q, k, v, call: AttentionCall) -> torch.Tensor:
+            allowed = moba_allowed(q, k, call, self.block_size, self.top_k)
+            return softmax_attention(q, k, v, allowed, call.scaling)
+
+        return by_row_span(restricted, q, k, v, call)
+
+    def flops(self, n: int, heads: int, head_dim: int, causal: bool = True) -> float:
+        return moba_flops(n, heads, head_dim, self.block_size, self.top_k)
+
+    def cache_layer(self, layer_idx: int, config) -> MoBALayer:
+        return MoBALayer(self.block_size)
+
+
+class KernelStateLayer(GrowingLayer):
+    """Every key (:class:`zoo.cache.GrowingLayer`), handed to the kernel (``call.cache``) with per-row state the
+    kernel keeps in it (``state_names``: tensors with the batch first, or None), reordered with the beams and
+    counted by :meth:`nbytes`. The kernel sees keys at positions 0 .. n - 1 and the padding mask over all of them."""
+
+    state_names: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clear_state()
+
+    def clear_state(self) -> None:
+        for name in self.state_names:
+            setattr(self, name, None)
+
+    @property
+    def seen(self) -> int:
+        return self.get_seq_length()
+
+    @property
+    def key_positions(self) -> torch.Tensor:
+        return torch.arange(self.seen, device=self.keys.device)
+
+    def key_columns(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """Every key is kept: the padding mask over every token seen, as it is."""
+        if attention_mask is not None and attention_mask.shape[-1] != self.seen:
+            raise ValueError(
+                f"attention-zoo {type(self).__name__}: the padding mask covers {attention_mask.shape[-1]} tokens but "
+                f"the cache has seen {self.seen}. Pass an attention_mask over every token so far (as generate does)."
+            )
+        return attention_mask
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        hand_to_kernel(self, kwargs)
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def _map_state(self, fn) -> None:
+        for name in self.state_names:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, fn(value))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._map_state(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._map_state(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._map_state(lambda x: x[indices])
+
+    def reset(self) -> None:
+        super().reset()
+        self.clear_state()
+
+    def nbytes(self) -> int:
+        state = (getattr(self, name) for name in self.state_names)
+        return super().nbytes() + sum(x.numel() * x.element_size() for x in state if x is not None)
+
+
+class MoBALayer(KernelStateLayer):
+    """Every key and, per row and KV head, the mean key of each complete block counted from the row's first real
+    token (``means`` (B, H_kv, J, D) fp32, ``filled`` (B, J): the block holds a real key; ``summarized`` (B,)
+    blocks done; ``row_start`` (B,)). Blocks are summarized when the kernel first asks after they complete, with the
+    arithmetic of the full forward (:func:`zoo.ops.moba.masked_block_mean`)."""
+
+    state_names = ("means", "filled", "summarized", "row_start")
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__()
+        self.block_size = block_size
+
+    def block_summaries(self, padding_mask: torch.Tensor | None, row_start: torch.Tensor | None,
+                        heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(means (B, heads, J, D) fp32, filled (B, J) bool) of the complete blocks of each row, brought up to date:
+        O(new tokens · d) amortized, plus repeating the means to the ``heads`` query heads."""
+        keys, block = self.keys, self.block_size
+        batch, kv_heads, n, dim = keys.shape
+        starts = row_start.to(keys.device) if row_start is not None else keys.new_zeros(batch, dtype=torch.long)
+        complete = torch.div(n - starts, block, rounding_mode="floor").clamp(min=0)
+        if self.means is None:
+            self.means = keys.new_zeros(batch, kv_heads, 0, dim, dtype=torch.float32)
+            self.filled = torch.zeros(batch, 0, dtype=torch.bool, device=keys.device)
+            self.summarized = torch.zeros(batch, dtype=torch.long, device=keys.device)
+        self.row_start = starts
+        first, total = int(self.summarized.min()), int(complete.max())
+        if total > first:
+            numbers = torch.arange(first, total, device=keys.device)
+            positions = starts[:, None, None] + (numbers * block)[None, :, None] + torch.arange(block,
+                                                                                            device=keys.device)
+            real = positions < n
+            positions = positions.clamp(max=n - 1)
+            if padding_mask is not None:
+                real = real & padding_mask.bool()[torch.arange(batch, device=keys.device)[:, None, None], positions]
+            index = positions.view(batch, 1, -1, 1).expand(batch, kv_heads, -1, dim)
+            blocks = keys.gather(2, index).float().view(batch, kv_heads, len(numbers), block, dim)
+            means, counts = masked_block_mean(blocks, real[:, None])
+            self.means = torch.cat([self.means[:, :, :first], means], 2)
+            self.filled = torch.cat([self.filled[:, :first], (counts[:, 0] > 0) & (numbers < complete[:, None])], 1)
+            self.summarized = complete
+        groups = heads // kv_heads
+        return (self.means.repeat_interleave(groups, 1) if groups > 1 else self.means), self.filled
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens, and the summaries of the blocks they completed."""
+        super().crop(tokens_to_remove)
+        if self.summarized is not None and self.is_initialized:
+            complete = torch.div(self.seen - self.row_start, self.block_size, rounding_mode="floor").clamp(min=0)
+            self.summarized = torch.minimum(self.summarized, complete)
+            kept = int(self.summarized.max())
+            numbers = torch.arange(kept, device=self.filled.device)
+            self.means = self.means[:, :, :kept]
+            self.filled = self.filled[:, :kept] & (numbers < self.summarized[:, None])

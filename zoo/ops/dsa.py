@@ -1,0 +1,219 @@
+"""DeepSeek Sparse Attention (DSA, DeepSeek-V3.2, 2025): a lightning indexer picks each query's ``top_k`` keys and the
+attention reads only those.
+
+Indexer: ``I(t, s) = Σ_j w_tj · ReLU(q^I_tj · k^I_s)`` over a few small heads j (queries ``index_q`` (B, Q, h, d_I),
+weights ``index_w`` (B, Q, h), one key ``index_k`` (B, n, d_I) per token). The keys eligible for query t are the real
+keys at positions ≤ t; the ``top_k`` highest scores win and ties go to the later (nearer) key, the same in the kernel,
+the dense reference and decoding. Scores are computed chunk by chunk of queries (O(n²·h·d_I) time, (chunk, n) at a
+time, never n x n) without gradient: the selection is a hard choice, shared by every attention head of the query.
+
+Attention over the selection (:func:`token_attention`): each chunk of queries gathers its keys per head and runs the
+flash kernel; the backward gathers again (recompute) and scatter-adds the key and value gradients. O(n·k·d) time,
+O(n·k) memory for the selection (shared by the heads) plus one chunk of gathered keys.
+
+Training the indexer (:func:`indexer_kl`): KL(p_t ‖ softmax_s I(t, s)) over each query's selected keys, p_t the main
+attention's probabilities summed over heads and L1-normalised (a detached target), as the paper's sparse stage.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from zoo.call import AttentionCall
+from zoo.ops.dropout import Dropout, attention_backward, attention_forward
+from zoo.ops.flash import additive_mask, flash_available
+from zoo.ops.selection import SCORE_CHUNK_ELEMENTS, select_by_query_chunks
+
+# Gathered key elements per attention chunk (4 MB in fp32).
+CHUNK_ELEMENTS = 2**20
+
+
+def indexer_scores(index_q: torch.Tensor, index_w: torch.Tensor, index_k: torch.Tensor) -> torch.Tensor:
+    """(B, Q, n) fp32: Σ_j w_tj · ReLU(q^I_tj · k^I_s); queries (B, Q, h, d_I), weights (B, Q, h), keys (B, n, d_I)."""
+    logits = torch.einsum("bqhd,bnd->bqhn", index_q.float(), index_k.float()).relu_()
+    return torch.einsum("bqhn,bqh->bqn", logits, index_w.float())
+
+
+def top_tokens(scores: torch.Tensor, eligible: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``top_k`` eligible keys of the highest score, ties to the later key.
+
+    scores (..., n) fp32, eligible (..., n) bool. Returns (index (..., k') long ascending, chosen (..., k') bool),
+    k' = min(top_k, n); unchosen slots (fewer eligible keys) hold index n - 1."""
+    n = scores.shape[-1]
+    count = min(top_k, n)
+    scores = scores.masked_fill(~eligible, float("-inf"))
+    threshold = scores.topk(count, dim=-1).values[..., -1:]
+    above = scores > threshold
+    tied = (scores == threshold) & eligible
+    wanted = count - above.sum(-1, keepdim=True)
+    tied_from_the_end = tied.flip(-1).cumsum(-1).flip(-1)  # tied keys at or after each position
+    picked = above | (tied & (tied_from_the_end <= wanted))
+    positions = torch.arange(n, device=scores.device)
+    index = torch.where(picked, positions, n).topk(count, dim=-1, largest=False).values
+    return index.clamp(max=n - 1), index < n
+
+
+def select_tokens(index_q: torch.Tensor, index_w: torch.Tensor, index_k: torch.Tensor, query_positions: torch.Tensor,
+                  key_real: torch.Tensor | None, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's ``top_k`` keys, chunk by chunk of queries, without gradient: (index, chosen), each (B, Q, k').
+
+    ``query_positions`` (Q,): positions of the queries among the n keys (keys after a query are not eligible);
+    ``key_real`` (B|1, n) bool or None."""
+    batch, count, heads, _ = index_q.shape
+    n = index_k.shape[-2]
+    key_positions = torch.arange(n, device=index_q.device)
+
+    def select(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = indexer_scores(index_q[:, rows], index_w[:, rows], index_k)
+        eligible = (key_positions <= query_positions[rows, None])[None]
+        if key_real is not None:
+            eligible = eligible & key_real[:, None, :]
+        return top_tokens(scores, eligible.expand_as(scores), top_k)
+
+    return select_by_query_chunks(select, count, batch * heads * n, 1)
+
+
+def selected_mask(index: torch.Tensor, chosen: torch.Tensor, n: int) -> torch.Tensor:
+    """(B, Q, n) bool from a selection (B, Q, k'): O(Q·n), for references and tests."""
+    mask = torch.zeros(*index.shape[:-1], n, dtype=torch.long, device=index.device)
+    return mask.scatter_add_(-1, index, chosen.long()) > 0
+
+
+def token_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, chosen: torch.Tensor,
+                    call: AttentionCall) -> torch.Tensor:
+    """(B, H, Q, Dv): each query over its selected keys (index/chosen (B, Q, k'), shared by the heads). CPU: chunked
+    flash with a recomputing backward; elsewhere one gather of every query's keys and one SDPA call."""
+    if flash_available(q):
+        return _TokenGathered.apply(q, k, v, index, chosen, call.scaling, Dropout.of(call))
+    keys, values = (_gather(x, index) for x in (k, v))
+    mask = (chosen | ~chosen.any(-1, keepdim=True))[:, None, :, None, :]  # a row without keys: zeroed below
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q[..., None, :], keys, values, attn_mask=mask, dropout_p=call.effective_dropout, scale=call.scaling)
+    return out[..., 0, :].masked_fill(~chosen.any(-1)[:, None, :, None], 0.0)
+
+
+def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x (B, H, n, D) at index (B, C, k') for every head: (B, H, C, k', D)."""
+    batch, heads = x.shape[:2]
+    b = torch.arange(batch, device=x.device)[:, None, None, None]
+    h = torch.arange(heads, device=x.device)[None, :, None, None]
+    return x[b, h, index[:, None]]
+
+
+def _query_chunks(q: torch.Tensor, count: int):
+    """Query ranges whose gathered keys hold about CHUNK_ELEMENTS elements."""
+    batch, heads, length, dim = q.shape
+    step = max(1, CHUNK_ELEMENTS // max(1, batch * heads * count * dim))
+    return [slice(start, min(start + step, length)) for start in range(0, length, step)]
+
+
+class _TokenGathered(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, index, chosen, scale, dropout: Dropout):
+        batch, heads, length, dim = q.shape
+        outs, lses = [], []
+        for number, rows in enumerate(_query_chunks(q, index.shape[-1])):
+            keys, values, mask, queries = _chunk_inputs(q, k, v, index, chosen, rows)
+            out, lse = attention_forward(queries, keys, values, mask, scale, dropout.child(number))
+            outs.append(out.view(batch, heads, -1, v.shape[-1]))
+            lses.append(lse.reshape(batch, heads, -1))
+        out, lse = torch.cat(outs, 2), torch.cat(lses, 2)
+        ctx.scale, ctx.dropout = scale, dropout
+        ctx.save_for_backward(q, k, v, index, chosen, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, index, chosen, out, lse = ctx.saved_tensors
+        batch, heads = q.shape[:2]
+        grad = grad.contiguous()
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        b = torch.arange(batch, device=q.device)[:, None, None, None]
+        h = torch.arange(heads, device=q.device)[None, :, None, None]
+        for number, rows in enumerate(_query_chunks(q, index.shape[-1])):
+            keys, values, mask, queries = _chunk_inputs(q, k, v, index, chosen, rows)
+            flat = (x[:, :, rows].reshape(-1, 1, 1, x.shape[-1]) for x in (grad, out))
+            gq, gk, gv = attention_backward(next(flat), queries, keys, values, next(flat),
+                                            lse[:, :, rows].reshape(-1, 1, 1), mask, ctx.scale,
+                                            ctx.dropout.child(number))
+            grad_q[:, :, rows] = gq.view(batch, heads, -1, q.shape[-1])
+            where = (b, h, index[:, None, rows])
+            grad_k.index_put_(where, gk.view(batch, heads, -1, *gk.shape[-2:]), accumulate=True)
+            grad_v.index_put_(where, gv.view(batch, heads, -1, *gv.shape[-2:]), accumulate=True)
+        return grad_q, grad_k, grad_v, None, None, None, None
+
+
+def _chunk_inputs(q, k, v, index, chosen, rows: slice):
+    """Gathered keys/values (B·H·C, 1, k', D), additive mask (B·H·C, 1, 1, k') and queries (B·H·C, 1, 1, D)."""
+    batch, heads = q.shape[:2]
+    keys, values = (_gather(x, index[:, rows]).flatten(0, 2)[:, None] for x in (k, v))
+    allowed = chosen[:, None, rows].expand(batch, heads, -1, -1).flatten(0, 2)[:, None, None, :]
+    queries = q[:, :, rows].reshape(-1, 1, 1, q.shape[-1])
+    return keys, values, additive_mask(allowed, q.dtype), queries
+
+
+def indexer_kl(q: torch.Tensor, k: torch.Tensor, index_q: torch.Tensor, index_w: torch.Tensor,
+               index_k: torch.Tensor, index: torch.Tensor, chosen: torch.Tensor, scale: float,
+               query_real: torch.Tensor | None = None) -> torch.Tensor:
+    """The indexer's loss: mean over real queries of KL(p_t ‖ softmax over the selected keys of I(t, ·)), p_t the main
+    attention's probabilities over the same keys summed over heads and L1-normalised (no gradient). Gradients reach
+    ``index_q``, ``index_w`` and ``index_k`` only. q (B, H, Q, D); k (B, H, n, D); selection (B, Q, k')."""
+    total = q.new_zeros((), dtype=torch.float32)
+    for rows in _query_chunks(q, index.shape[-1]):
+        picked, ok = index[:, rows], chosen[:, rows]
+        with torch.no_grad():
+            scores = torch.einsum("bhqd,bhqkd->bhqk", q[:, :, rows].float(), _gather(k, picked).float()) * scale
+            probs = torch.softmax(scores.masked_fill(~ok[:, None], float("-inf")), -1).nan_to_num(0.0).sum(1)
+            target = probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
+        keys = index_k.float()[torch.arange(index_k.shape[0], device=q.device)[:, None, None], picked]
+        logits = torch.einsum("bqhd,bqkd->bqhk", index_q[:, rows].float(), keys).relu()
+        scores = torch.einsum("bqhk,bqh->bqk", logits, index_w[:, rows].float())
+        log_probs = torch.log_softmax(scores.masked_fill(~ok, float("-inf")), -1)
+        kl = (target * (target.clamp_min(1e-30).log() - log_probs)).masked_fill(~ok, 0.0).sum(-1)  # (B, C)
+        if query_real is not None:
+            kl = kl * query_real[:, rows]
+        total = total + kl.sum()
+    real = query_real.sum() if query_real is not None else q.shape[0] * q.shape[2]
+    return total / max(float(real), 1.0)
+
+
+def dense_indexer_kl(q: torch.Tensor, k: torch.Tensor, index_q: torch.Tensor, index_w: torch.Tensor,
+                     index_k: torch.Tensor, scale: float, key_real: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense warm-up's loss: mean over real queries of KL(p_t ‖ softmax over every eligible key of I(t, ·)), p_t
+    the dense causal attention's probabilities summed over heads and L1-normalised (no gradient). Chunk by chunk of
+    queries, each chunk recomputed in the backward: nothing of size queries x keys is kept. q (B, H, Q, D) (the last
+    Q of the keys), k (B, H, n, D), indexer inputs as :func:`select_tokens`, ``key_real`` (B|1, n) bool or None."""
+    batch, heads, count, _ = q.shape
+    n = k.shape[-2]
+    positions = torch.arange(n - count, n, device=q.device)
+    real = key_real if key_real is not None else torch.ones(1, n, dtype=torch.bool, device=q.device)
+    step = max(1, SCORE_CHUNK_ELEMENTS // max(1, batch * max(heads, index_q.shape[2]) * n))
+    total = q.new_zeros((), dtype=torch.float32)
+    for start in range(0, count, step):
+        rows = slice(start, min(start + step, count))
+        total = total + checkpoint(_dense_chunk_kl, q[:, :, rows], k, index_q[:, rows], index_w[:, rows], index_k,
+                                   positions[rows], real, scale, use_reentrant=False)
+    queries = real[:, n - count :].expand(batch, count).sum()
+    return total / queries.clamp_min(1).float()
+
+
+def _dense_chunk_kl(q, k, index_q, index_w, index_k, positions, real, scale: float) -> torch.Tensor:
+    """Σ over the chunk's real queries of KL(dense attention ‖ indexer) over their eligible keys."""
+    n = k.shape[-2]
+    eligible = (torch.arange(n, device=q.device) <= positions[:, None])[None] & real[:, None, :]  # (B|1, C, n)
+    with torch.no_grad():
+        scores = torch.einsum("bhcd,bhnd->bhcn", q.float(), k.float()) * scale
+        probs = torch.softmax(scores.masked_fill(~eligible[:, None], float("-inf")), -1).nan_to_num(0.0).sum(1)
+        target = probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
+    log_probs = torch.log_softmax(indexer_scores(index_q, index_w, index_k).masked_fill(~eligible, float("-inf")), -1)
+    kl = (target * (target.clamp_min(1e-30).log() - log_probs)).masked_fill(~eligible, 0.0).sum(-1)
+    return (kl * real[:, positions]).sum()
+
+
+def dsa_flops(n: int, heads: int, head_dim: int, index_heads: int, index_dim: int, top_k: int) -> float:
+    """Forward FLOPs at length n (causal): the indexer over every earlier key and attention over min(top_k, t + 1)."""
+    indexer = 2.0 * index_heads * index_dim * n * (n + 1) / 2
+    ramp = min(n, top_k)  # the first queries read every earlier key
+    keys = ramp * (ramp + 1) / 2 + (n - ramp) * top_k
+    return indexer + 4.0 * heads * head_dim * keys

@@ -1,0 +1,276 @@
+"""Mixture of Block Attention (MoBA, Lu et al. 2025): each query reads its own block and the ``top_k`` earlier blocks
+whose mean key scores highest against it, in one softmax.
+
+Keys are cut into blocks of ``block`` tokens counted from the row's first token (callers slice each row to its own
+span, :func:`zoo.ops.by_row_span`). The gate of query t for block j is ``q_t · mean(real keys of j)``; the blocks
+eligible are the complete blocks before t's own block that hold a real key. Ties are broken towards the earlier block
+(a stable sort), the same in the kernel, the dense reference and decoding. The selection is made chunk by chunk of
+queries (scores (chunk, blocks), never n x n) without gradient: the gate is a hard choice, as in the paper. It costs
+O(n·(n / block)·d) time.
+
+Attention, O(n·(top_k + 1)·block·d) time:
+
+* CPU, a span without padding (the common case): grouped by key block, as the paper's kernel does. Each chosen key
+  block runs one flash call with the queries that chose it (gathered: O(n·k·d), the keys are read in place), the own
+  blocks one blocked causal call; the parts merge through their log-sum-exps (one softmax, exact joint gradient) and
+  the backward recomputes each part from the merged output (as :mod:`zoo.ops.union`). Under attention dropout the
+  parts run :mod:`zoo.ops.dropout`'s kernels.
+* Otherwise (padding inside the span, fewer queries than keys, CUDA, fp64): one gathered entry per query over its
+  blocks (:func:`zoo.ops.gathered_attention`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zoo.call import AttentionCall
+from zoo.ops.blocked import rows_attention
+from zoo.ops.dense import pad_to_multiple
+from zoo.ops.dropout import Dropout, attention_backward, attention_forward
+from zoo.ops.flash import additive_mask, flash_available
+from zoo.ops.gathered import GATHER_CHUNK_ELEMENTS, gathered_attention
+from zoo.ops.selection import select_by_query_chunks
+
+
+def masked_block_mean(blocks: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean of the real keys of each block. ``blocks`` (..., J, block, D) fp32; ``real`` broadcastable to
+    (..., J, block) bool. Returns (means (..., J, D) fp32, real keys per block (..., J)). Shared by the kernel and
+    the decoding cache, so both summarize a block with the same arithmetic."""
+    weights = real.to(blocks.dtype)
+    counts = weights.sum(-1)
+    return (blocks * weights[..., None]).sum(-2) / counts.clamp_min(1.0)[..., None], counts
+
+
+def block_means(k: torch.Tensor, real: torch.Tensor | None, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of ``block`` keys from position 0: (means (B, H, nb, D) fp32, holds a real key (B|1, 1, nb) bool).
+
+    k (B, H, n, D); ``real`` (B|1, n) bool or None. The last block may be partial (it is only ever some query's own
+    block, which is not scored)."""
+    n = k.shape[-2]
+    blocks = pad_to_multiple(k.float(), block).unflatten(-2, (-1, block))
+    if real is None:
+        real = torch.ones(1, n, dtype=torch.bool, device=k.device)
+    real = pad_to_multiple(real, block, dim=-1, value=False).view(real.shape[0], 1, -1, block)
+    means, counts = masked_block_mean(blocks, real)
+    return means, counts > 0
+
+
+def top_blocks(scores: torch.Tensor, eligible: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``top_k`` eligible blocks of the highest gate score, ties to the earlier block.
+
+    scores (..., nb) fp32; eligible broadcastable to it. Returns (blocks (..., k') long, chosen (..., k') bool) with
+    k' = min(top_k, nb); a slot is not chosen when fewer blocks are eligible."""
+    count = min(top_k, scores.shape[-1])
+    scores = scores.masked_fill(~eligible, float("-inf"))
+    ranked, order = scores.sort(dim=-1, descending=True, stable=True)
+    return order[..., :count], ranked[..., :count] > float("-inf")
+
+
+def select_blocks(q: torch.Tensor, means: torch.Tensor, filled: torch.Tensor, own: torch.Tensor, top_k: int):
+    """Each query's ``top_k`` earlier blocks, chunk by chunk of queries, without gradient.
+
+    q (B, H, Q, D); means (B|1, H, nb, D) fp32; filled (B|1, 1|H, nb) bool: the block holds a real key; own
+    (B|1, Q) long: each query's own block (only blocks before it are eligible). Returns (blocks, chosen), each
+    (B, H, Q, min(top_k, nb))."""
+    batch, heads, count, _ = q.shape
+    numbers = torch.arange(means.shape[-2], device=q.device)
+
+    def select(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.matmul(q[:, :, rows].float(), means.transpose(-1, -2))  # (B, H, C, nb)
+        return top_blocks(scores, (numbers < own[:, None, rows, None]) & filled[:, :, None, :], top_k)
+
+    return select_by_query_chunks(select, count, batch * heads * len(numbers), 2)
+
+
+def moba_selection(q: torch.Tensor, k: torch.Tensor, call: AttentionCall, block: int, top_k: int):
+    """The blocks each query reads, in the coordinates of one row span (positions 0 .. n - 1, the queries the last
+    Q keys, ``call.padding_mask`` (B, n) or None): (blocks (B, H, Q, R) long, chosen (B, H, Q, R) bool, query
+    positions (Q,)); the last of the R = min(top_k, nb) + 1 slots is the query's own block."""
+    batch, heads, count, _ = q.shape
+    n = k.shape[-2]
+    positions = torch.arange(n - count, n, device=q.device)
+    own = (positions // block)[None]
+    means, filled = block_means(k, call.padding_mask, block)
+    blocks, chosen = select_blocks(q, means, filled, own, top_k)
+    own_slot = own[:, None, :, None].expand(batch, heads, count, 1)
+    blocks = torch.cat([blocks, own_slot], -1)
+    chosen = torch.cat([chosen, torch.ones_like(own_slot, dtype=torch.bool)], -1)
+    return blocks, chosen, positions
+
+
+def moba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, block: int,
+                   top_k: int) -> torch.Tensor:
+    """(B, H, Q, Dv): causal MoBA over one row span (see :func:`moba_selection`)."""
+    blocks, chosen, positions = moba_selection(q, k, call, block, top_k)
+    if flash_available(q) and call.padding_mask is None and q.shape[-2] == k.shape[-2]:
+        batch, heads, n, _ = q.shape
+        picked = _by_key_block(blocks[..., :-1], chosen[..., :-1], -(-n // block))
+        padded = [pad_to_multiple(x, block).unflatten(-2, (-1, block)).flatten(0, 1) for x in (q, k, v)]
+        out = _BlockGroupedMoBA.apply(call.scaling, picked, Dropout.of(call), *padded)
+        return out.view(batch, heads, -1, out.shape[-1])[:, :, :n]
+    return _per_query_attention(q, k, v, call, block, blocks, chosen, positions)
+
+
+def _per_query_attention(q, k, v, call: AttentionCall, block: int, blocks, chosen, positions) -> torch.Tensor:
+    """One :func:`zoo.ops.gathered_attention` entry per query over its chosen blocks and its own (causal, padding)."""
+    batch, heads, count, dim = q.shape
+    n = k.shape[-2]
+    slots = blocks.shape[-1]
+    nb = -(-n // block)
+    real = call.padding_mask if call.padding_mask is not None else torch.ones(1, n, dtype=torch.bool,
+                                                                              device=q.device)
+    real = pad_to_multiple(real, block, dim=-1, value=False)
+    flat_blocks, flat_chosen = blocks.view(-1, slots), chosen.view(-1, slots)
+    within = torch.arange(block, device=q.device)
+
+    def allowed(start: int, stop: int) -> torch.Tensor:
+        entries = torch.arange(start, stop, device=q.device)
+        row = entries // (heads * count) if real.shape[0] > 1 else torch.zeros_like(entries)
+        key_pos = (flat_blocks[start:stop, :, None] * block + within).flatten(1)  # (e, R·block)
+        ok = flat_chosen[start:stop].repeat_interleave(block, -1) & real[row[:, None], key_pos]
+        return (ok & (key_pos <= positions[entries % count, None]))[:, None, :]
+
+    first_block = (torch.arange(batch * heads, device=q.device) * nb).view(batch, heads, 1, 1)
+    index = (blocks + first_block).view(-1, slots)
+    out = gathered_attention(q.reshape(-1, 1, dim), pad_to_multiple(k, block).reshape(-1, block, dim),
+                             pad_to_multiple(v, block).reshape(-1, block, v.shape[-1]), index, allowed, call)
+    return out.view(batch, heads, count, -1)
+
+
+class _KeyBlockGroups:
+    """The (query, slot) pairs of each (row·head, key block): ``keys`` (G,) the flat key block p·nb + j of each
+    non-empty group, ``rows``/``queries``/``slots`` (pairs,) sorted by group, ``bounds`` (G + 1,) offsets."""
+
+    def __init__(self, rows, queries, slots, keys, bounds, slot_count):
+        self.rows, self.queries, self.slots, self.keys, self.bounds = rows, queries, slots, keys, bounds
+        self.slot_count = slot_count
+
+    def groups(self):
+        """(group number, flat key block, slice of the pairs) per non-empty group."""
+        bounds = self.bounds.tolist()
+        for number, key in enumerate(self.keys.tolist()):
+            yield number, key, slice(bounds[number], bounds[number + 1])
+
+
+def _by_key_block(blocks: torch.Tensor, chosen: torch.Tensor, nb: int) -> _KeyBlockGroups:
+    """Group the chosen (query, slot) pairs of blocks/chosen (B, H, Q, k) by (row·head, key block)."""
+    flat_blocks, flat_chosen = blocks.flatten(0, 1), chosen.flatten(0, 1)
+    rows, queries, slots = flat_chosen.nonzero(as_tuple=True)
+    keys = rows * nb + flat_blocks[rows, queries, slots]
+    order = keys.argsort(stable=True)
+    rows, queries, slots, keys = rows[order], queries[order], slots[order], keys[order]
+    distinct, counts = torch.unique_consecutive(keys, return_counts=True)
+    bounds = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    return _KeyBlockGroups(rows, queries, slots, distinct, bounds, blocks.shape[-1])
+
+
+class _BlockGroupedMoBA(torch.autograd.Function):
+    """q/k/v (P, nb, block, D) (P = rows·heads): own blocks causal in one flash call, each chosen key block with the
+    queries that chose it in one call each; merged by log-sum-exp; the backward recomputes every part."""
+
+    @staticmethod
+    def forward(ctx, scale, picked: _KeyBlockGroups, dropout: Dropout, q, k, v):
+        parts, nb, block, _ = q.shape
+        causal = additive_mask(torch.ones(block, block, dtype=torch.bool, device=q.device).tril(), q.dtype)
+        own_out, own_lse = attention_forward(q, k, v, causal, scale, dropout.child(0))
+        flat_q = q.view(parts, nb * block, q.shape[-1])
+        count = flat_q.shape[1]
+        outs = own_out.new_zeros(parts, count, picked.slot_count + 1, v.shape[-1])
+        lses = own_lse.new_full((parts, count, picked.slot_count + 1), float("-inf"))
+        outs[:, :, -1] = own_out.reshape(parts, count, -1)
+        lses[:, :, -1] = own_lse.reshape(parts, count)
+        for number, key, pairs in picked.groups():
+            row, rows = key // nb, picked.queries[pairs]
+            out, lse = attention_forward(flat_q[row, rows][None, None], k[row, key % nb][None, None],
+                                         v[row, key % nb][None, None], None, scale, dropout.child(1, number))
+            outs[row, rows, picked.slots[pairs]] = out[0, 0]
+            lses[row, rows, picked.slots[pairs]] = lse[0, 0]
+        total = torch.logsumexp(lses, -1)
+        merged = (outs * torch.exp(lses - total[..., None])[..., None].to(outs.dtype)).sum(2)
+        ctx.scale, ctx.picked, ctx.dropout = scale, picked, dropout
+        ctx.save_for_backward(q, k, v, merged, total)
+        return merged
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, merged, total = ctx.saved_tensors
+        picked, scale = ctx.picked, ctx.scale
+        parts, nb, block, _ = q.shape
+        causal = additive_mask(torch.ones(block, block, dtype=torch.bool, device=q.device).tril(), q.dtype)
+        grad = grad.contiguous()
+        grad_q, grad_k, grad_v = attention_backward(
+            grad.view_as(q), q, k, v, merged.view(*q.shape[:3], -1), total.view(q.shape[:3]), causal, scale,
+            ctx.dropout.child(0))
+        grad_q, grad_k, grad_v = (x.contiguous() for x in (grad_q, grad_k, grad_v))
+        flat_q, flat_grad_q = q.view(parts, nb * block, -1), grad_q.view(parts, nb * block, -1)
+        for number, key, pairs in picked.groups():
+            row, rows = key // nb, picked.queries[pairs]
+            gq, gk, gv = attention_backward(
+                grad[row, rows][None, None], flat_q[row, rows][None, None], k[row, key % nb][None, None],
+                v[row, key % nb][None, None], merged[row, rows][None, None], total[row, rows][None, None], None,
+                scale, ctx.dropout.child(1, number))
+            flat_grad_q[row].index_add_(0, rows, gq[0, 0])
+            grad_k[row, key % nb] += gk[0, 0]
+            grad_v[row, key % nb] += gv[0, 0]
+        return None, None, None, grad_q, grad_k, grad_v
+
+
+def moba_allowed(q: torch.Tensor, k: torch.Tensor, call: AttentionCall, block: int, top_k: int) -> torch.Tensor:
+    """The dense (B, H, Q, n) bool mask of the keys :func:`moba_attention` reads in one row span: O(n²), tests only."""
+    n = k.shape[-2]
+    blocks, chosen, positions = moba_selection(q, k, call, block, top_k)
+    nb = -(-n // block)
+    picked = torch.zeros(*blocks.shape[:-1], nb, dtype=torch.long, device=q.device)
+    picked = picked.scatter_add_(-1, blocks, chosen.long()) > 0
+    allowed = picked.repeat_interleave(block, -1)[..., :n] & (torch.arange(n, device=q.device) <= positions[:, None])
+    if call.padding_mask is not None:
+        allowed = allowed & call.padding_mask[:, None, None, :]
+    return allowed
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, block: int, top_k: int,
+                     means: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
+    """New queries over a cache of every key: (B, H, Q, Dv). Blocks count from each row's first real token
+    (``call.row_start``); ``means`` (B, H, J, D) fp32 and ``filled`` (B, J) bool summarize each row's complete
+    blocks (the decoding cache keeps them), so a step costs O(J·d + (k + 1)·block·d), not O(n·d).
+
+    Each chunk of queries gathers its keys ((k + 1)·block per query, about GATHER_CHUNK_ELEMENTS per chunk) and runs
+    one softmax over them."""
+    batch, heads, count, dim = q.shape
+    n = k.shape[-2]
+    starts = call.row_start if call.row_start is not None else torch.zeros(batch, dtype=torch.long, device=q.device)
+    starts = starts.to(q.device)
+    positions = call.query_positions(count, n, q.device)
+    own = torch.div(positions[None] - starts[:, None], block, rounding_mode="floor").clamp(min=0)  # (B, Q)
+    blocks, chosen = select_blocks(q, means, filled[:, None], own, top_k)
+    blocks = torch.cat([blocks, own[:, None, :, None].expand(batch, heads, count, 1)], -1)
+    chosen = torch.cat([chosen, torch.ones_like(blocks[..., :1], dtype=torch.bool)], -1)
+    within = torch.arange(block, device=q.device)
+    key_pos = ((blocks * block)[..., None] + within).flatten(-2) + starts[:, None, None, None]  # (B, H, Q, R·block)
+    ok = chosen.repeat_interleave(block, -1) & (key_pos <= positions[:, None]) & (key_pos < n)
+    key_pos = key_pos.clamp(max=n - 1)
+    if call.padding_mask is not None:
+        rows = torch.arange(batch, device=q.device)[:, None, None, None]
+        ok = ok & call.padding_mask[rows, key_pos]
+    b = torch.arange(batch, device=q.device)[:, None, None]
+    h = torch.arange(heads, device=q.device)[None, :, None]
+    outs = []
+    chunk = max(1, GATHER_CHUNK_ELEMENTS // (batch * heads * key_pos.shape[-1] * dim))
+    for start in range(0, count, chunk):
+        rows = slice(start, min(start + chunk, count))
+        index = key_pos[:, :, rows].flatten(-2)  # (B, H, C·K)
+        keys, values = (x[b, h, index].unflatten(2, (-1, key_pos.shape[-1])) for x in (k, v))  # (B, H, C, K, D)
+        out = rows_attention(q[:, :, rows, None, :].flatten(0, 1), keys.flatten(0, 1), values.flatten(0, 1),
+                             ok[:, :, rows, None, :].flatten(0, 1), call)
+        outs.append(out.view(batch, heads, -1, v.shape[-1]))
+    return torch.cat(outs, 2)
+
+
+def moba_flops(n: int, heads: int, head_dim: int, block: int, top_k: int) -> float:
+    """Forward FLOPs at length n (causal): the gate (each query scores the blocks before its own) and attention over
+    (up to) ``top_k`` whole blocks plus half its own block on average."""
+    nb = -(-n // block)
+    gate = 2.0 * heads * head_dim * n * (nb - 1) / 2
+    keys = sum(min(top_k, j) for j in range(nb)) * block * block + n * (block + 1) / 2
+    return gate + 4.0 * heads * head_dim * keys
+
