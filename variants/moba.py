@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from zoo.cache import GrowingLayer, hand_to_kernel
+from zoo.cache import GrowingLayer, ZooCacheLayer, hand_to_kernel
 from zoo.ops import by_row_span, softmax_attention
 from zoo.ops.moba import decode_attention, masked_block_mean, moba_allowed, moba_attention, moba_flops
 from zoo.variant import AttentionCall, Param, Variant
@@ -68,10 +68,11 @@ class MoBAAttention(Variant):
         return MoBALayer(self.block_size)
 
 
-class KernelStateLayer(GrowingLayer):
-    """Every key (:class:`zoo.cache.GrowingLayer`), handed to the kernel (``call.cache``) with per-row state the
-    kernel keeps in it (``state_names``: tensors with the batch first, or None), reordered with the beams and
-    counted by :meth:`nbytes`. The kernel sees keys at positions 0 .. n - 1 and the padding mask over all of them."""
+class KernelStateLayer(ZooCacheLayer, GrowingLayer):
+    """Every key (:class:`zoo.cache.GrowingLayer`; the plug speaks to it as a :class:`zoo.cache.ZooCacheLayer`),
+    handed to the kernel (``call.cache``) with per-row state the kernel keeps in it (``state_names``: tensors with the
+    batch first, or None), reordered with the beams and counted by :meth:`nbytes`. The kernel sees keys at positions
+    0 .. n - 1 and the padding mask over all of them."""
 
     state_names: tuple[str, ...] = ()
 
@@ -85,7 +86,7 @@ class KernelStateLayer(GrowingLayer):
 
     @property
     def seen(self) -> int:
-        return self.get_seq_length()
+        return GrowingLayer.get_seq_length(self)  # every key held (ZooCacheLayer's get_seq_length reads seen)
 
     @property
     def key_positions(self) -> torch.Tensor:
