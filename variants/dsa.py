@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from zoo.variants.moba import KernelStateLayer
 from zoo.variants.sdpa import SDPAAttention
 
+from zoo.cache import KernelStateLayer
 from zoo.ops import allowed_mask, softmax_attention
 from zoo.ops.dsa import dense_indexer_kl, dsa_flops, indexer_kl, select_tokens, selected_mask, token_attention
 from zoo.ops.short_conv import gate_source

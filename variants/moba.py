@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from zoo.cache import GrowingLayer, ZooCacheLayer, hand_to_kernel
+from zoo.cache import KernelStateLayer
 from zoo.ops import by_row_span, softmax_attention
 from zoo.ops.moba import decode_attention, masked_block_mean, moba_allowed, moba_attention, moba_flops
 from zoo.variant import AttentionCall, Param, Variant
@@ -66,70 +66,6 @@ class MoBAAttention(Variant):
 
     def cache_layer(self, layer_idx: int, config) -> MoBALayer:
         return MoBALayer(self.block_size)
-
-
-class KernelStateLayer(ZooCacheLayer, GrowingLayer):
-    """Every key (:class:`zoo.cache.GrowingLayer`; the plug speaks to it as a :class:`zoo.cache.ZooCacheLayer`),
-    handed to the kernel (``call.cache``) with per-row state the kernel keeps in it (``state_names``: tensors with the
-    batch first, or None), reordered with the beams and counted by :meth:`nbytes`. The kernel sees keys at positions
-    0 .. n - 1 and the padding mask over all of them."""
-
-    state_names: tuple[str, ...] = ()
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.clear_state()
-
-    def clear_state(self) -> None:
-        for name in self.state_names:
-            setattr(self, name, None)
-
-    @property
-    def seen(self) -> int:
-        return GrowingLayer.get_seq_length(self)  # every key held (ZooCacheLayer's get_seq_length reads seen)
-
-    @property
-    def key_positions(self) -> torch.Tensor:
-        return torch.arange(self.seen, device=self.keys.device)
-
-    def key_columns(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-        """Every key is kept: the padding mask over every token seen, as it is."""
-        if attention_mask is not None and attention_mask.shape[-1] != self.seen:
-            raise ValueError(
-                f"attention-zoo {type(self).__name__}: the padding mask covers {attention_mask.shape[-1]} tokens but "
-                f"the cache has seen {self.seen}. Pass an attention_mask over every token so far (as generate does)."
-            )
-        return attention_mask
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        hand_to_kernel(self, kwargs)
-        return super().update(key_states, value_states, *args, **kwargs)
-
-    def _map_state(self, fn) -> None:
-        for name in self.state_names:
-            value = getattr(self, name)
-            if value is not None:
-                setattr(self, name, fn(value))
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self._map_state(lambda x: x.index_select(0, beam_idx.to(x.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        self._map_state(lambda x: x.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        self._map_state(lambda x: x[indices])
-
-    def reset(self) -> None:
-        super().reset()
-        self.clear_state()
-
-    def nbytes(self) -> int:
-        state = (getattr(self, name) for name in self.state_names)
-        return super().nbytes() + sum(x.numel() * x.element_size() for x in state if x is not None)
 
 
 class MoBALayer(KernelStateLayer):
