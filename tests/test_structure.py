@@ -24,6 +24,7 @@ LAYERS = [
     ("zoo.convert", "zoo.hub", "zoo.testing"),
     ("zoo.training",),
     ("zoo.bench",),
+    ("zoo.eval",),
     ("zoo.cli", "zoo.contract", "zoo"),
 ]
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from zoo import bench
+from zoo.eval import cli as eval_cli
 from zoo.hub import push
 from zoo.registry import get_variant_class, names_with_sources, problem, source_of
 
@@ -48,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("list", help="table of the available attention variants")
     p.set_defaults(func=cmd_list)
-    for module in (bench, push):  # subcommands living in other modules expose add_subcommand(subparsers)
+    for module in (bench, eval_cli, push):  # subcommands living in other modules expose add_subcommand(subparsers)
         module.add_subcommand(sub)
     return parser
 

@@ -1,0 +1,312 @@
+"""The report of a ``zoo eval`` run folder: ``results.md`` (the headline table: task average per length with its
+95% interval, share of the reference, cache bytes, prefill, decode and peak RSS; then per length every task; which
+tasks separate the policies; the zoo's best policy against kvpress's best press per budget; perplexity by position),
+``results.csv`` (a row per contestant x task x length), ``results.json`` and three plots (score by length per task,
+score against cache bytes, needle depth x length for ``niah_single``). kvpress's rows are scored here from their
+outputs and the prompts' answers, as the zoo's are.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from zoo.bench.report import write_report
+from zoo.eval.scoring import intervals_overlap, score, summarize
+from zoo.eval.tasks import Sample
+from zoo.reporting import human_bytes, markdown_table, pyplot, save_figure, write_csv
+
+REFERENCE = "full cache"
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _first_ok(rows: list[dict], key) -> list[dict]:
+    unique: dict[Any, dict] = {}
+    for row in rows:
+        if "error" not in row:
+            unique.setdefault(key(row), row)
+    return list(unique.values())
+
+
+def score_peer_rows(rows: list[dict], samples: dict[tuple[str, int, int], Sample]) -> list[dict]:
+    """kvpress rows (outputs only) scored against the prompts' answers, in the zoo's row format."""
+    scored = []
+    for row in rows:
+        if "error" in row or "outputs" not in row:
+            continue
+        answers = [samples[(row["task"], row["length"], i)].answers for i in row["indices"]]
+        scores = [score(a, text) for a, text in zip(answers, row["outputs"], strict=True)]
+        depths = [samples[(row["task"], row["length"], i)].depth for i in row["indices"]]
+        scored.append({**row, "family": "kvpress", "kept": row["budget"], "scores": scores, "depths": depths,
+                       **summarize(scores)})
+    return scored
+
+
+def load_results(out: Path) -> dict[str, Any]:
+    """Every measurement of a run folder, deduplicated (a contestant x task x length measured twice: its first row)."""
+    samples = {(s.task, s.length, s.index): s for s in (Sample.from_json(r) for r in _rows(out / "prompts.jsonl"))}
+    answers = _rows(out / "answers.jsonl") + score_peer_rows(_rows(out / "kvpress.jsonl"), samples)
+    return {
+        "answers": _first_ok(answers, lambda r: (r["contestant"], r["task"], r["length"])),
+        "errors": [r for r in answers + _rows(out / "kvpress.jsonl") if "error" in r],
+        "perplexity": _first_ok(_rows(out / "perplexity.jsonl"), lambda r: (r["contestant"], r["length"])),
+        "speed": _first_ok(_rows(out / "speed.jsonl"), lambda r: (r["contestant"], r["length"])),
+        "speed_errors": [r for r in _rows(out / "speed.jsonl") if "error" in r],
+        "samples": samples,
+    }
+
+
+def averages(answers: list[dict]) -> dict[str, dict[int, dict]]:
+    """contestant -> length -> the task average (mean of the task scores) and the pooled 95% interval."""
+    table: dict[str, dict[int, dict]] = {}
+    for name in dict.fromkeys(r["contestant"] for r in answers):
+        mine = [r for r in answers if r["contestant"] == name]
+        for length in sorted({r["length"] for r in mine}):
+            here = [r for r in mine if r["length"] == length]
+            pooled = summarize([s for r in here for s in r["scores"]])
+            table.setdefault(name, {})[length] = {**pooled, "score": statistics.fmean(r["score"] for r in here),
+                                                  "tasks": len(here)}
+    return table
+
+
+def overall(answers: list[dict], lengths: list[int]) -> dict[str, dict]:
+    """contestant -> the average over every task x length cell of ``lengths`` (equal weight) and the pooled interval."""
+    result = {}
+    for name in dict.fromkeys(r["contestant"] for r in answers):
+        here = [r for r in answers if r["contestant"] == name and r["length"] in lengths]
+        if here:
+            result[name] = {**summarize([s for r in here for s in r["scores"]]),
+                            "score": statistics.fmean(r["score"] for r in here), "cells": len(here)}
+    return result
+
+
+def common_lengths(answers: list[dict]) -> list[int]:
+    """The lengths at which every task of the run was measured (the headline average's)."""
+    tasks = {r["task"] for r in answers}
+    at = {n: {r["task"] for r in answers if r["length"] == n} for n in {r["length"] for r in answers}}
+    return sorted(n for n, here in at.items() if here == tasks)
+
+
+def _kept(row: dict) -> str:
+    if row["family"] in ("full",) or row.get("contestant") == "kvpress no press":
+        return "100%"
+    if row["family"] == "quantized":
+        return row["contestant"].split()[-1]
+    return f"{row.get('kept', 1.0):.0%}"
+
+
+def _cell(summary: dict | None) -> str:
+    if summary is None:
+        return "–"
+    return f"{summary['score']:.2f} [{summary['low']:.2f}, {summary['high']:.2f}]"
+
+
+def headline(results: dict[str, Any]) -> tuple[list[str], list[dict]]:
+    answers, lengths = results["answers"], common_lengths(results["answers"])
+    per_length, total = averages(answers), overall(answers, lengths)
+    speed = {r["contestant"]: r for r in results["speed"]}
+    info = {r["contestant"]: r for r in answers}
+    reference = total.get(REFERENCE, {}).get("score")
+    longest = max(lengths) if lengths else None
+    bytes_at = {r["contestant"]: r["cache_bytes"] for r in answers if r["length"] == longest}
+    header = ["contestant", "kept", *[f"avg {n}" for n in lengths], "average [95% CI]", "of full",
+              f"cache at {longest}", "prefill s", "decode ms/token", "peak RSS"]
+    rows, records = [], []
+    for name, summary in total.items():
+        fast = speed.get(name, {})
+        share = summary["score"] / reference if reference else None
+        cells = [f"{per_length[name][n]['score']:.2f}" if n in per_length[name] else "–" for n in lengths]
+        rows.append([name, _kept(info[name]), *cells, _cell(summary), "–" if share is None else f"{share:.0%}",
+                     human_bytes(bytes_at[name]) if name in bytes_at else "–",
+                     f"{fast['prefill_s']:.2f}" if "prefill_s" in fast else "–",
+                     f"{fast['ms_per_token']:.1f}" if "ms_per_token" in fast else "–",
+                     human_bytes(fast["peak_rss_bytes"]) if "peak_rss_bytes" in fast else "–"])
+        records.append({"contestant": name, "family": info[name]["family"], "kept": info[name].get("kept"),
+                        **{f"avg_{n}": per_length[name].get(n, {}).get("score") for n in lengths}, **summary,
+                        "share_of_full": share, "cache_bytes": bytes_at.get(name), **{k: fast.get(k) for k in (
+                            "prefill_s", "ms_per_token", "peak_rss_bytes")}})
+    return markdown_table(header, rows), records
+
+
+def task_tables(answers: list[dict]) -> list[str]:
+    lines = []
+    tasks = list(dict.fromkeys(r["task"] for r in answers))
+    by_key = {(r["contestant"], r["task"], r["length"]): r for r in answers}
+    for length in sorted({r["length"] for r in answers}):
+        here = [t for t in tasks if any(r["task"] == t and r["length"] == length for r in answers)]
+        names = list(dict.fromkeys(r["contestant"] for r in answers if r["length"] == length))
+        n = {t: next(r["n"] for r in answers if r["task"] == t and r["length"] == length) for t in here}
+        lines += [f"### {length} tokens", "", *markdown_table(
+            ["contestant", *[f"{t} (n={n[t]})" for t in here]],
+            [[name, *[f"{by_key[(name, t, length)]['score']:.2f}" if (name, t, length) in by_key else "–"
+                      for t in here]] for name in names]), ""]
+    return lines
+
+
+def separating_tasks(answers: list[dict], kept: float) -> list[str]:
+    """Tasks (and lengths) on which two of the zoo's ``budget`` policies at ``kept`` have disjoint intervals."""
+    found = []
+    for (task, length) in dict.fromkeys((r["task"], r["length"]) for r in answers):
+        group = [r for r in answers if r["family"] == "budget" and abs(r.get("kept", 0) - kept) < 1e-9
+                 and r["task"] == task and r["length"] == length]
+        low, high = min(group, key=lambda r: r["score"], default=None), max(group, key=lambda r: r["score"],
+                                                                            default=None)
+        if low is not None and not intervals_overlap(low, high):
+            found.append(f"{task} @ {length}: {high['contestant']} {high['score']:.2f} vs {low['contestant']} "
+                         f"{low['score']:.2f}")
+    return found
+
+
+def zoo_against_kvpress(answers: list[dict], lengths: list[int]) -> list[str]:
+    """Per budget: the zoo's best policy and kvpress's best prefill press on the task average (overlapping
+    intervals: a tie), and the tasks where their intervals do not overlap."""
+    total = overall(answers, lengths)
+    info = {r["contestant"]: r for r in answers}
+    lines = []
+    for kept in sorted({r["kept"] for r in answers if r["family"] in ("budget", "kvpress") and r["kept"] < 1},
+                       reverse=True):
+        def best(family: str, kept: float = kept) -> str | None:
+            names = [n for n in total if info[n]["family"] == family and abs(info[n]["kept"] - kept) < 1e-9
+                     and "DecodingPress" not in n]
+            return max(names, key=lambda n: total[n]["score"], default=None)
+
+        zoo, peer = best("budget"), best("kvpress")
+        if zoo is None or peer is None:
+            continue
+        verdict = "tie (intervals overlap)" if intervals_overlap(total[zoo], total[peer]) else (
+            "zoo ahead" if total[zoo]["score"] > total[peer]["score"] else "kvpress ahead")
+        deciding = [f"{r['task']} @ {r['length']} ({r['score']:.2f} vs {o['score']:.2f})" for r in answers
+                    if r["contestant"] == zoo and r["length"] in lengths for o in answers
+                    if o["contestant"] == peer and (o["task"], o["length"]) == (r["task"], r["length"])
+                    and not intervals_overlap(r, o)]
+        lines.append(f"- {kept:.0%}: zoo `{zoo}` {_cell(total[zoo])} vs `{peer}` {_cell(total[peer])}: {verdict}; "
+                     f"tasks whose intervals do not overlap: {', '.join(deciding) or 'none'}")
+    return lines
+
+
+def policy_robustness(answers: list[dict], lengths: list[int]) -> list[str]:
+    """Per ``budget`` policy: the mean and the worst of its task x length x budget cells, best mean first."""
+    policies: dict[str, list[float]] = {}
+    for r in answers:
+        if r["family"] == "budget" and r["length"] in lengths:
+            policies.setdefault(r["contestant"].split()[1], []).append(r["score"])
+    ranked = sorted(policies.items(), key=lambda item: -statistics.fmean(item[1]))
+    return markdown_table(["policy", "mean over tasks x lengths x budgets", "worst cell", "cells"],
+                          [[p, f"{statistics.fmean(v):.3f}", f"{min(v):.2f}", len(v)] for p, v in ranked])
+
+
+def perplexity_table(rows: list[dict]) -> list[str]:
+    lines = []
+    for length in sorted({r["length"] for r in rows}):
+        here = [r for r in rows if r["length"] == length]
+        bucket = here[0]["bucket"]
+        starts = [f"{i * bucket}-{(i + 1) * bucket}" for i in range(len(here[0]["bucket_ppl"]))]
+        lines += [f"Perplexity by position, {length}-token documents ({here[0]['documents']} held-out stretches, fed "
+                  f"{here[0]['chunk']} tokens at a time through each contestant's cache):", "",
+                  *markdown_table(["contestant", *starts, "all", "cache"],
+                                  [[r["contestant"], *[f"{p:.2f}" for p in r["bucket_ppl"]], f"{r['ppl']:.2f}",
+                                    human_bytes(r["cache_bytes"])] for r in here]), ""]
+    return lines
+
+
+def plot_by_length(answers: list[dict], path: Path) -> None:
+    plt = pyplot()
+    tasks = list(dict.fromkeys(r["task"] for r in answers))
+    columns = min(3, len(tasks))
+    fig, axes = plt.subplots((len(tasks) + columns - 1) // columns, columns, figsize=(5 * columns, 3.4 * (
+        (len(tasks) + columns - 1) // columns)), squeeze=False)
+    names = list(dict.fromkeys(r["contestant"] for r in answers))
+    for ax, task in zip(axes.flat, tasks, strict=False):
+        for name in names:
+            mine = sorted((r["length"], r["score"]) for r in answers if r["task"] == task and r["contestant"] == name)
+            if mine:
+                ax.plot(*zip(*mine, strict=True), marker="o", lw=1, label=name)
+        ax.set(title=task, xscale="log", xlabel="tokens", ylabel="score", ylim=(-0.05, 1.05))
+    for ax in list(axes.flat)[len(tasks):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=5, ncol=2)
+    save_figure(fig, path)
+
+
+def plot_frontier(records: list[dict], path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for family in dict.fromkeys(r["family"] for r in records):
+        mine = [r for r in records if r["family"] == family and r["cache_bytes"]]
+        ax.errorbar([r["cache_bytes"] for r in mine], [r["score"] for r in mine],
+                    yerr=[[r["score"] - r["low"] for r in mine], [r["high"] - r["score"] for r in mine]],
+                    fmt="o", capsize=2, label=family)
+    ax.set(xscale="log", xlabel="cache bytes per sequence after the answer (longest common length)",
+           ylabel="task average", title="score against cache bytes")
+    ax.legend(fontsize=7)
+    save_figure(fig, path)
+
+
+def plot_depths(answers: list[dict], path: Path, task: str = "niah_single") -> None:
+    plt = pyplot()
+    names = [n for n in dict.fromkeys(r["contestant"] for r in answers if r["task"] == task)][:12]
+    if not names:
+        return
+    lengths = sorted({r["length"] for r in answers if r["task"] == task})
+    depths = sorted({round(d, 2) for r in answers if r["task"] == task for d in r["depths"] if d is not None})
+    columns = min(4, len(names))
+    rows = (len(names) + columns - 1) // columns
+    fig, axes = plt.subplots(rows, columns, figsize=(3.2 * columns, 2.6 * rows), squeeze=False)
+    for ax, name in zip(axes.flat, names, strict=False):
+        grid = [[float("nan")] * len(lengths) for _ in depths]
+        for r in answers:
+            if r["task"] == task and r["contestant"] == name:
+                for depth, value in zip(r["depths"], r["scores"], strict=True):
+                    grid[depths.index(round(depth, 2))][lengths.index(r["length"])] = value
+        ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set(title=name, xticks=range(len(lengths)), xticklabels=lengths, yticks=range(len(depths)),
+               yticklabels=[f"{d:.0%}" for d in depths])
+        ax.title.set_fontsize(7)
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    save_figure(fig, path)
+
+
+def render(results: dict[str, Any], table: list[str]) -> str:
+    answers, lengths = results["answers"], common_lengths(results["answers"])
+    lines = ["# zoo eval", "", f"Task average = the mean of the task scores (RULER's recall of the expected strings "
+             f"in the greedy answer); the headline averages every task x length cell at {lengths}; intervals are 95% "
+             "Wilson intervals over the pooled samples. Cache bytes per sequence after the answer.", "", *table, "",
+             "## Per task", "", *task_tables(answers), "## The zoo's best policy against kvpress's best press", "",
+             *(zoo_against_kvpress(answers, lengths) or ["(no kvpress rows)"]), "", "## Policies", "",
+             *policy_robustness(answers, lengths), ""]
+    for kept in sorted({r["kept"] for r in answers if r["family"] == "budget"}, reverse=True):
+        lines += [f"Tasks separating the policies at {kept:.0%} (disjoint intervals): "
+                  f"{'; '.join(separating_tasks(answers, kept)) or 'none'}", ""]
+    if results["perplexity"]:
+        lines += ["## Perplexity by position", "", *perplexity_table(results["perplexity"])]
+    errors = results["errors"] + results["speed_errors"]
+    if errors:
+        lines += ["## Errors", "", *[f"- {r.get('contestant')} {r.get('task', 'speed')} {r.get('length')}: "
+                                     f"{r['error']}" for r in errors], ""]
+    return "\n".join(lines)
+
+
+def write_eval_report(out: Path) -> dict[str, Path]:
+    """Write the report files of the run folder ``out``; returns their paths."""
+    results = load_results(out)
+    table, records = headline(results)
+    answers = results["answers"]
+    fields = ["contestant", "family", "kept", "task", "length", "score", "low", "high", "n", "cache_bytes"]
+    files: dict[str, tuple[str, Any]] = {
+        "md": ("results.md", render(results, table)),
+        "csv": ("results.csv", lambda p: write_csv(p, answers, fields)),
+        "json": ("results.json", json.dumps({"headline": records, "answers": [
+            {k: v for k, v in r.items() if k != "outputs"} for r in answers], "perplexity": results["perplexity"],
+            "speed": results["speed"]}, indent=1)),
+    }
+    if answers:
+        files["by_length"] = ("score_by_length.png", lambda p: plot_by_length(answers, p))
+        files["frontier"] = ("score_vs_cache_bytes.png", lambda p: plot_frontier(records, p))
+        files["depths"] = ("niah_single_depths.png", lambda p: plot_depths(answers, p))
+    return write_report(out, files)

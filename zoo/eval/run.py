@@ -1,0 +1,248 @@
+"""One ``zoo eval`` run: write the prompts, answer them with every contestant, measure perplexity by position and
+speed, hand the prompts to the kvpress peer, write the report. Every measurement is appended to a JSON-lines file of
+the run folder as it finishes; with ``resume`` a finished contestant x task x length is not run again.
+
+Files of a run folder: ``config.yaml`` (as run), ``prompts.jsonl`` (every sample, token ids included: a peer answers
+exactly these), ``answers.jsonl``, ``perplexity.jsonl``, ``speed.jsonl``, ``kvpress.jsonl`` (the peer's), and the
+report (``results.md``, ``results.csv``, ``results.json``, plots).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
+
+from zoo.data.pretrained import smollm2_folder
+from zoo.eval.answer import answer_cell
+from zoo.eval.config import EvalConfig
+from zoo.eval.contestants import load_model
+from zoo.eval.perplexity import perplexity_row
+from zoo.eval.report import write_eval_report
+from zoo.eval.speed import measure_in_process
+from zoo.eval.tasks import Sample, make_samples
+
+PEER = Path(__file__).resolve().parents[2] / "scripts" / "kvpress_peer.py"
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The JSON lines of ``path`` (none when it does not exist)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def append_row(path: Path, row: dict) -> None:
+    with path.open("a") as handle:
+        handle.write(json.dumps(row) + "\n")
+
+
+def build_samples(config: EvalConfig, tokenizer) -> list[Sample]:
+    """Every sample of the run, in task and length order (deterministic in the config's seed)."""
+    samples = []
+    for spec in config.tasks:
+        for length in spec.lengths:
+            samples += make_samples(tokenizer, spec.task, length, spec.samples[length], seed=config.seed,
+                                    label=spec.label, depths=config.depths, **spec.options)
+    return samples
+
+
+def fingerprint(samples: list[Sample]) -> str:
+    return hashlib.sha256(json.dumps([s.to_json() for s in samples], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def write_prompts(out: Path, samples: list[Sample], resume: bool) -> None:
+    """``prompts.jsonl``; a resumed run must have the same prompts as the one it continues."""
+    path = out / "prompts.jsonl"
+    if path.exists() and resume and (out / "answers.jsonl").exists():
+        old = [Sample.from_json(row) for row in read_rows(path)]
+        if fingerprint(old) != fingerprint(samples):
+            raise SystemExit(f"zoo eval: {path} holds other prompts than this config makes (tasks, lengths, samples "
+                             "or seed changed): the answers there belong to those. Use another output_dir, or "
+                             "--overwrite to start this one again.")
+        return
+    path.write_text("".join(json.dumps(s.to_json()) + "\n" for s in samples))
+
+
+def cells(samples: list[Sample]) -> list[list[Sample]]:
+    """Samples grouped by (task, length), in order of first appearance."""
+    groups: dict[tuple[str, int], list[Sample]] = {}
+    for sample in samples:
+        groups.setdefault((sample.task, sample.length), []).append(sample)
+    return list(groups.values())
+
+
+def finished(rows: list[dict]) -> set[tuple[str, str, int]]:
+    return {(r["contestant"], r["task"], r["length"]) for r in rows if "error" not in r}
+
+
+class Models:
+    """The run's model and, for ``folder`` contestants, their own models (one held at a time)."""
+
+    def __init__(self, config: EvalConfig):
+        self.name, self.device, self.dtype = config.model, config.device, config.dtype
+        self.base, self.other = None, (None, None)
+
+    def __call__(self, contestant: dict) -> tuple[Any, Any]:
+        if contestant["family"] == "folder":
+            if self.other[0] != contestant["path"]:
+                self.other = (None, None)
+                self.other = (contestant["path"], load_model(contestant["path"], self.device, self.dtype))
+            return self.other[1]
+        if self.base is None:
+            self.base = load_model(self.name, self.device, self.dtype)
+        return self.base
+
+
+def run_answers(config: EvalConfig, samples: list[Sample], models: Models) -> None:
+    path = config.output_dir / "answers.jsonl"
+    done = finished(read_rows(path))
+    todo = [(cell, [c for c in config.contestants if (c["name"], cell[0].task, cell[0].length) not in done])
+            for cell in cells(samples)]
+    todo = [(cell, pending) for cell, pending in todo if pending]
+    bar = tqdm(todo, desc="zoo eval: answers", unit="cell")
+    for cell, pending in bar:
+        bar.set_postfix_str(f"{cell[0].task} {cell[0].length}: {len(pending)} contestants")
+
+        def write(row: dict) -> None:
+            append_row(path, row)
+            shown = {k: row.get(k) for k in ("contestant", "task", "length", "score", "n", "error") if k in row}
+            bar.write(json.dumps(shown))
+
+        answer_cell(models, cell, pending, config.batch, write)
+
+
+def ppl_contestants(config: EvalConfig) -> list[dict]:
+    names = (config.perplexity or {}).get("contestants")
+    chosen = [c for c in config.contestants if names is None or c["name"] in names]
+    unknown = sorted(set(names or []) - {c["name"] for c in config.contestants})
+    if unknown:
+        raise SystemExit(f"zoo eval: perplexity.contestants names {unknown}, which are not contestants of the run.")
+    return chosen
+
+
+def run_perplexity(config: EvalConfig, models: Models) -> None:
+    settings = config.perplexity
+    if not settings:
+        return
+    path = config.output_dir / "perplexity.jsonl"
+    done = finished(read_rows(path))
+    for length in settings.get("lengths", config.lengths):
+        for contestant in tqdm(ppl_contestants(config), desc=f"zoo eval: perplexity {length}", unit="contestant"):
+            if (contestant["name"], "perplexity", length) in done:
+                continue
+            model, tokenizer = models(contestant)
+            try:
+                row = perplexity_row(model, tokenizer, contestant, length, settings.get("documents", 2),
+                                     settings.get("bucket", 1024), settings.get("chunk", 512))
+            except Exception as exc:  # recorded, the run goes on
+                row = {"contestant": contestant["name"], "task": "perplexity", "length": length,
+                       "error": f"{type(exc).__name__}: {exc}"}
+            append_row(path, row)
+
+
+def run_speed(config: EvalConfig) -> None:
+    settings = config.speed
+    if not settings:
+        return
+    path = config.output_dir / "speed.jsonl"
+    done = {(r["contestant"], r["length"]) for r in read_rows(path) if "error" not in r}
+    names = settings.get("contestants")
+    for length in settings.get("lengths", config.lengths[-1:]):
+        chosen = [c for c in config.contestants if names is None or c["name"] in names]
+        for contestant in tqdm(chosen, desc=f"zoo eval: speed {length}", unit="contestant"):
+            if (contestant["name"], length) in done:
+                continue
+            setting = {"model": config.model, "contestant": contestant, "length": length,
+                       "new_tokens": settings.get("new_tokens", 16), "rounds": settings.get("rounds", 3),
+                       "threads": config.threads, "device": config.device, "dtype": config.dtype}
+            append_row(path, measure_in_process(setting))
+
+
+def peer_command(config: EvalConfig) -> list[str] | None:
+    """The kvpress peer's command line for this run (``kvpress`` in the config), or None."""
+    settings = config.kvpress
+    if not settings:
+        return None
+    command = [str(Path(settings.get("python", ".venv-kvpress/bin/python"))), str(PEER), "--eval",
+               str(config.output_dir), "--model", str(settings.get("model_folder", "")), "--threads",
+               str(config.threads), "--budgets", *map(str, settings.get("budgets", [0.5, 0.25, 0.1]))]
+    if settings.get("decoding_budgets"):
+        command += ["--decoding_budgets", *map(str, settings["decoding_budgets"])]
+    if settings.get("presses"):
+        command += ["--only", *settings["presses"]]
+    if config.batch:
+        command += ["--batch", str(config.batch)]
+    return command
+
+
+def run_peer(config: EvalConfig) -> None:
+    """Run the kvpress peer when its environment exists (``scripts/kvpress_env.sh``), else say how to."""
+    command = peer_command(config)
+    if command is None:
+        return
+    if not command[-1 if "--model" not in command else command.index("--model") + 1]:
+        command[command.index("--model") + 1] = str(smollm2_folder())
+    if not Path(command[0]).exists():
+        print(f"zoo eval: kvpress peer skipped ({command[0]} is missing: run scripts/kvpress_env.sh, then "
+              f"{shlex.join(command)})", flush=True)
+        return
+    subprocess.run(command, check=False, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def run(config: EvalConfig, *, resume: bool = True, dry_run: bool = False, stages: tuple[str, ...] = ()) -> Path:
+    """Run every stage (``answers``, ``perplexity``, ``speed``, ``kvpress``, ``report``; ``stages`` picks some)."""
+    out = config.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(config.threads)
+    models = Models(config)
+    model, tokenizer = models({"family": "full"}) if not dry_run else (None, _tokenizer(config.model))
+    samples = build_samples(config, tokenizer)
+    if dry_run:
+        print(describe_plan(config, samples))
+        return out
+    (out / "config.yaml").write_text(yaml.safe_dump(config.source, sort_keys=False))
+    write_prompts(out, samples, resume)
+    wanted = stages or ("answers", "perplexity", "speed", "kvpress", "report")
+    if "answers" in wanted:
+        run_answers(config, samples, models)
+    if "perplexity" in wanted:
+        run_perplexity(config, models)
+    if "speed" in wanted:
+        del model
+        models.base = None
+        run_speed(config)
+    if "kvpress" in wanted:
+        run_peer(config)
+    if "report" in wanted:
+        write_eval_report(out)
+    return out
+
+
+def _tokenizer(name: str):
+    return AutoTokenizer.from_pretrained(smollm2_folder() if name == "smollm2" else name)
+
+
+def describe_plan(config: EvalConfig, samples: list[Sample]) -> str:
+    """What the run would do (``--dry_run``): cells, samples, prompt tokens, contestants."""
+    lines = [f"zoo eval plan: {config.output_dir}", f"model: {config.model}", "tasks x lengths (samples):"]
+    for cell in cells(samples):
+        lines.append(f"  {cell[0].task} @ {cell[0].length}: {len(cell)} samples, {cell[0].new_tokens} new tokens")
+    lines.append(f"prompt tokens: {sum(s.length for s in samples):,}")
+    lines.append(f"contestants ({len(config.contestants)}):")
+    lines += [f"  {c['name']} [{c['family']}]" for c in config.contestants]
+    if config.perplexity:
+        lines.append(f"perplexity: {config.perplexity}")
+    if config.speed:
+        lines.append(f"speed: {config.speed}")
+    command = peer_command(config)
+    if command:
+        lines.append(f"kvpress peer: {shlex.join(command)}")
+    return "\n".join(lines)
