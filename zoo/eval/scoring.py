@@ -1,0 +1,80 @@
+"""Scoring ``zoo eval`` answers as RULER does (recall of the expected strings in the greedy output), and the Wilson
+score interval of a task's mean score."""
+
+from __future__ import annotations
+
+import math
+import re
+
+
+def _pattern(answer: str) -> re.Pattern[str]:
+    """How ``answer`` is looked for: a number not inside a longer run of digits, an alphabetic answer as a whole
+    word, anything else (a UUID, a key) as a plain substring; all case-insensitive."""
+    escaped = re.escape(answer)
+    if answer.isdigit():
+        return re.compile(rf"(?<!\d){escaped}(?!\d)")
+    if answer.isalpha():
+        return re.compile(rf"\b{escaped}\b", re.IGNORECASE)
+    return re.compile(escaped, re.IGNORECASE)
+
+
+def found(answer: str, output: str) -> bool:
+    """Whether the expected string ``answer`` occurs in ``output`` (see :func:`score`)."""
+    answer = answer.strip()
+    return bool(answer) and _pattern(answer).search(output) is not None
+
+
+def score(answers: list[str], output: str) -> float:
+    """RULER's recall: the share of ``answers`` that occur in ``output``.
+
+    Case-insensitive, surrounding whitespace stripped; an alphabetic answer must occur as a whole word (``cat`` is not
+    in ``category``), a number not inside a longer run of digits (``1234567`` is not in ``912345678``), other answers
+    (UUIDs) as plain substrings.
+
+    Args:
+        answers: the expected strings (at least one).
+        output: the model's greedy continuation, decoded.
+
+    Returns:
+        The share found, 0..1 (2 of 4 answers: 0.5).
+    """
+    if not answers:
+        raise ValueError("score: no expected answers to look for")
+    return sum(found(answer, output) for answer in answers) / len(answers)
+
+
+def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a proportion: ``successes`` of ``n`` (fractional successes allowed).
+
+    Returns:
+        ``(low, high)``; ``(0.0, 1.0)`` when ``n`` is 0.
+    """
+    if n == 0:
+        return 0.0, 1.0
+    if n < 0 or not -1e-9 <= successes <= n + 1e-9:  # a sum of fractional scores may be off by a rounding
+        raise ValueError(f"wilson: successes={successes} of n={n}; need 0 <= successes <= n")
+    successes = min(max(successes, 0.0), n)
+    p = successes / n
+    denominator = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / denominator
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
+    return max(0.0, center - half), min(1.0, center + half)
+
+
+def summarize(scores: list[float]) -> dict:
+    """The mean score of a task's samples and its 95% Wilson interval.
+
+    Per-sample partial scores (a multi-answer task's 0.5) are treated as a proportion over the samples: the interval
+    is Wilson's for ``sum(scores)`` successes of ``len(scores)`` trials, an approximation (exact for 0/1 scores).
+
+    Returns:
+        ``{"score": mean, "low": ..., "high": ..., "n": len(scores)}`` (score 0.0 and interval 0..1 when empty).
+    """
+    n = len(scores)
+    low, high = wilson(sum(scores), n)
+    return {"score": sum(scores) / n if n else 0.0, "low": low, "high": high, "n": n}
+
+
+def intervals_overlap(a: dict, b: dict) -> bool:
+    """Whether two :func:`summarize` results' intervals overlap (touching counts as overlapping)."""
+    return a["low"] <= b["high"] and b["low"] <= a["high"]
