@@ -1,89 +1,216 @@
-"""NVIDIA kvpress 0.5.5 presses on the passkey prompts of zoo/bench/kv.py (peer runs, in the environment that
-scripts/kvpress_env.sh builds: kvpress pins transformers<5.3, so it cannot run in the zoo's own environment).
+"""NVIDIA kvpress 0.5.5 presses on the zoo's prompts (peer runs, in the environment that scripts/kvpress_env.sh
+builds: kvpress pins transformers<5.3, so it cannot run in the zoo's own environment). Two prompt files:
 
     scripts/kvpress_env.sh
-    .venv-kvpress/bin/python scripts/kvpress_peer.py \
-        --model ~/.cache/attention_zoo/models/smollm2-135m-instruct-q4_1-v1 \
-        --out results/bench/kv --contexts 1024 --budgets 0.5 0.25 0.1
+    # zoo eval (zoo/eval/run.py runs this itself): RUN_DIR/prompts.jsonl -> RUN_DIR/kvpress.jsonl, resumable
+    .venv-kvpress/bin/python scripts/kvpress_peer.py --eval RUN_DIR \
+        --model ~/.cache/attention_zoo/models/smollm2-135m-instruct-q4_1-v1 --budgets 0.5 0.25 0.1
+    # the passkey benchmark of zoo/bench/kv.py: OUT/prompts.json -> OUT/kvpress.jsonl (its accuracy rows' format)
+    .venv-kvpress/bin/python scripts/kvpress_peer.py --out results/bench/kv \
+        --model ~/.cache/attention_zoo/models/smollm2-135m-instruct-q4_1-v1 --contexts 1024 --budgets 0.5 0.25 0.1
 
-Each press compresses the prompt once, at prefill (kvpress's forward hooks, after each layer's full prefill), keeping
-``budget`` of the keys (``compression_ratio = 1 - budget``); then 8 greedy tokens with the compressed cache. "SnapKV
-(no question)" compresses the prompt without its question, which is then fed uncompressed. Rows are appended to
-``kvpress.jsonl`` in the format of zoo/bench/kv.py's accuracy rows. Standalone: imports nothing from the zoo.
+Each press compresses the prompt once, at prefill (kvpress's forward hook, after each layer's full prefill),
+keeping ``budget`` of the keys (``compression_ratio = 1 - budget``); then greedy tokens from the compressed cache,
+at positions that continue from the tokens seen (a pruned cache is shorter). "SnapKV (no question)" compresses the
+prompt without its question, which is then fed uncompressed. DecodingPress never compresses the prefill: it evicts
+down to ``int(budget * length)`` keys at every decoding step. With ``--eval`` (and ``--shared``) one prefill serves
+every press (:func:`run_shared`); a group's rows share its wall seconds. Eval rows hold the decoded ``outputs``
+only: the zoo scores them. Standalone: imports nothing from the zoo; torch, transformers and kvpress are imported
+only where kvpress is installed, so the pure functions (groups, pending jobs, rows) import anywhere (tests).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
+import importlib.util
 import json
 import time
 from pathlib import Path
 
-import torch
-from kvpress import (
-    DecodingPress,
-    ExpectedAttentionPress,
-    KnormPress,
-    ObservedAttentionPress,
-    SnapKVPress,
-    StreamingLLMPress,
-    TOVAPress,
-)
-from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM
+if importlib.util.find_spec("kvpress") is not None:  # the kvpress environment (elsewhere: the pure functions only)
+    import torch
+    import transformers
+    from kvpress import (
+        DecodingPress,
+        ExpectedAttentionPress,
+        KnormPress,
+        ObservedAttentionPress,
+        SnapKVPress,
+        StreamingLLMPress,
+        TOVAPress,
+    )
+    from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM
 
-NEW_TOKENS = 8
+PASSKEY_NEW_TOKENS = 8
 QUESTION = "What is the pass key? The pass key is"
+NO_PRESS = "no press"
+PREFILL = ("StreamingLLM", "KNorm", "SnapKV", "SnapKV (no question)", "TOVA", "ExpectedAttention", "ObservedAttention")
+DECODING = ("DecodingPress (KNorm)", "DecodingPress (TOVA)")
+PRESSES = PREFILL + DECODING
+EVAL_DEFAULT_PREFILL = ("StreamingLLM", "KNorm", "SnapKV", "TOVA", "ExpectedAttention")
+EVAL_DEFAULT_DECODING = ("DecodingPress (KNorm)",)
 
 
-def presses(ratio: float, kept: int) -> dict:
-    """The presses at ``compression_ratio=ratio``; DecodingPress (which never compresses the prefill) evicts down to
-    ``kept`` keys at every decoding step, scored by its base press, after that step's attention."""
-    return {
-        "StreamingLLM": StreamingLLMPress(compression_ratio=ratio, n_sink=4),
-        "KNorm": KnormPress(compression_ratio=ratio),
-        "SnapKV": SnapKVPress(compression_ratio=ratio),
-        "SnapKV (no question)": SnapKVPress(compression_ratio=ratio),
-        "TOVA": TOVAPress(compression_ratio=ratio),
-        "ExpectedAttention": ExpectedAttentionPress(compression_ratio=ratio),
-        "ObservedAttention": ObservedAttentionPress(compression_ratio=ratio),
-        "DecodingPress (KNorm)": DecodingPress(base_press=KnormPress(), compression_interval=1, target_size=kept,
-                                               hidden_states_buffer_size=0),
-        "DecodingPress (TOVA)": DecodingPress(base_press=TOVAPress(), compression_interval=1, target_size=kept,
-                                              hidden_states_buffer_size=1),
+# ---- pure functions (no torch, no kvpress) ----
+
+def read_rows(path: Path) -> list[dict]:
+    """The JSON lines of ``path`` ([] when missing; a line cut short by an interrupted run is skipped)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            if line.strip():
+                rows.append(json.loads(line))
+    return rows
+
+
+def append_row(path: Path, row: dict) -> None:
+    """Append ``row`` as one JSON line (after a newline if the file ends without one)."""
+    lead = "\n" if path.exists() and path.stat().st_size and not path.read_bytes().endswith(b"\n") else ""
+    with path.open("a") as handle:
+        handle.write(lead + json.dumps(row) + "\n")
+
+
+def contestant(press: str, budget: float) -> str:
+    """The row's name in zoo eval: ``kvpress no press``, ``kvpress SnapKV 25%``."""
+    return f"kvpress {press}" if press == NO_PRESS else f"kvpress {press} {round(budget * 100, 4):g}%"
+
+
+def kind(press: str) -> str:
+    """The prefill a press needs: ``sdpa`` (shared), ``eager`` (ObservedAttention), ``no question``."""
+    return "eager" if press == "ObservedAttention" else "no question" if press.endswith("(no question)") else "sdpa"
+
+
+def eval_specs(budgets: list[float], decoding_budgets: list[float], only: list[str] | None = None) -> list[tuple]:
+    """(press, budget) of an eval run: no press, each prefill press at each budget, DecodingPress at each decoding
+    budget. ``only`` names the presses (it can name ObservedAttention, SnapKV (no question), DecodingPress (TOVA))."""
+    prefill = [p for p in PREFILL if p in only] if only else list(EVAL_DEFAULT_PREFILL)
+    decoding = [p for p in DECODING if p in only] if only else list(EVAL_DEFAULT_DECODING)
+    specs = [(NO_PRESS, 1.0)] if not only or NO_PRESS in only else []
+    specs += [(press, budget) for budget in budgets for press in prefill]
+    return specs + [(press, budget) for budget in decoding_budgets for press in decoding]
+
+
+def passkey_specs(budgets: list[float], only: list[str] | None = None) -> list[tuple]:
+    """(press, budget) of the passkey benchmark: no press, then every press at every budget."""
+    specs = [(NO_PRESS, 1.0)] + [(press, budget) for budget in budgets for press in PRESSES]
+    return [spec for spec in specs if not only or spec[0] in only]
+
+
+def unknown_presses(only: list[str] | None) -> list[str]:
+    return [name for name in only or [] if name != NO_PRESS and name not in PRESSES]
+
+
+def group_samples(samples: list[dict], tasks: list[str] | None = None,
+                  lengths: list[int] | None = None) -> list[tuple[tuple[str, int], list[dict]]]:
+    """((task, length), samples by index) in the file's order, restricted to ``tasks`` and ``lengths``."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for sample in samples:
+        if (tasks and sample["task"] not in tasks) or (lengths and sample["length"] not in lengths):
+            continue
+        groups.setdefault((sample["task"], sample["length"]), []).append(sample)
+    return [(key, sorted(group, key=lambda s: s["index"])) for key, group in groups.items()]
+
+
+def batches(samples: list[dict], size: int, by_question: bool = False) -> list[list[dict]]:
+    """Batches of ``size`` (0: all); ``by_question``: only samples of one ``question_tokens`` share a batch."""
+    if not by_question:
+        size = size or len(samples)
+        return [samples[i : i + size] for i in range(0, len(samples), size)]
+    parts: dict[int, list[dict]] = {}
+    for sample in samples:
+        parts.setdefault(sample["question_tokens"], []).append(sample)
+    return [batch for part in parts.values() for batch in batches(part, size)]
+
+
+def finished(rows: list[dict]) -> set[tuple[str, str, int]]:
+    """(contestant, task, length) of the rows without an error (skipped by a resumed run)."""
+    return {(r["contestant"], r["task"], r["length"]) for r in rows if "error" not in r and "contestant" in r}
+
+
+def pending(specs: list[tuple], task: str, length: int, done: set[tuple[str, str, int]]) -> list[tuple]:
+    """The specs of ``(task, length)`` still to run."""
+    return [(press, budget) for press, budget in specs if (contestant(press, budget), task, length) not in done]
+
+
+def by_kind(specs: list[tuple]) -> list[tuple[str, list[tuple]]]:
+    """The specs split by the prefill they need, in the order sdpa, eager, no question."""
+    kinds = [(k, [spec for spec in specs if kind(spec[0]) == k]) for k in ("sdpa", "eager", "no question")]
+    return [(k, group) for k, group in kinds if group]
+
+
+def eval_row(press: str, budget: float, samples: list[dict], outputs: list[str], nbytes: int, seconds: float,
+             threads: int, versions: dict) -> dict:
+    """One row of RUN_DIR/kvpress.jsonl; ``nbytes``: the cache bytes of all samples (the row has per sample)."""
+    return {"contestant": contestant(press, budget), "family": "kvpress", "press": press, "budget": budget,
+            "task": samples[0]["task"], "length": samples[0]["length"], "indices": [s["index"] for s in samples],
+            "outputs": outputs, "cache_bytes": nbytes // len(samples), "seconds": seconds, "threads": threads,
+            "shared_prefill": True, **versions}
+
+
+def eval_error_row(press: str, budget: float, task: str, length: int, error: str, threads: int,
+                   versions: dict) -> dict:
+    return {"contestant": contestant(press, budget), "family": "kvpress", "press": press, "budget": budget,
+            "task": task, "length": length, "error": error, "threads": threads, **versions}
+
+
+def passkey_row(press: str, budget: float, samples: list[dict], answers: list[str], nbytes: int, seconds: float,
+                threads: int, shared: bool) -> dict:
+    """One row in the format of zoo/bench/kv.py's accuracy rows (``found``: the key is in the answer)."""
+    return {"name": press, "budget": budget, "context": samples[0]["length"],
+            "per_prompt_bytes": nbytes // len(samples),
+            "found": [s["answers"][0] in a for s, a in zip(samples, answers, strict=True)],
+            "depths": [s["depth"] for s in samples], "answers": answers, "seconds": seconds, "threads": threads,
+            "shared_prefill": shared}
+
+
+def passkey_samples(prompts: list[dict], keys_per_depth: int = 0) -> list[dict]:
+    """The passkey prompts (prompts.json) as eval samples (task ``passkey``, answer the key); ``keys_per_depth``:
+    the first N prompts per depth and context."""
+    samples, seen = [], {}
+    for prompt in prompts:
+        place = (prompt["context"], prompt["depth"])
+        seen[place] = seen.get(place, 0) + 1
+        if keys_per_depth and seen[place] > keys_per_depth:
+            continue
+        samples.append({"task": "passkey", "length": prompt["context"], "index": len(samples), "ids": prompt["ids"],
+                        "answers": [str(prompt["key"])], "depth": prompt["depth"],
+                        "new_tokens": PASSKEY_NEW_TOKENS})
+    return samples
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+# ---- kvpress and torch ----
+
+def make_press(press: str, budget: float, length: int):
+    """The press ``press`` keeping ``budget`` of the prompt (None for no press); DecodingPress keeps
+    ``int(budget * length)`` keys at every decoding step, scored by its base press after that step's attention."""
+    ratio, kept = 1 - budget, int(budget * length)
+    makers = {
+        NO_PRESS: lambda: None,
+        "StreamingLLM": lambda: StreamingLLMPress(compression_ratio=ratio, n_sink=4),
+        "KNorm": lambda: KnormPress(compression_ratio=ratio),
+        "SnapKV": lambda: SnapKVPress(compression_ratio=ratio),
+        "SnapKV (no question)": lambda: SnapKVPress(compression_ratio=ratio),
+        "TOVA": lambda: TOVAPress(compression_ratio=ratio),
+        "ExpectedAttention": lambda: ExpectedAttentionPress(compression_ratio=ratio),
+        "ObservedAttention": lambda: ObservedAttentionPress(compression_ratio=ratio),
+        "DecodingPress (KNorm)": lambda: DecodingPress(base_press=KnormPress(), compression_interval=1,
+                                                       target_size=kept, hidden_states_buffer_size=0),
+        "DecodingPress (TOVA)": lambda: DecodingPress(base_press=TOVAPress(), compression_interval=1,
+                                                      target_size=kept, hidden_states_buffer_size=1),
     }
+    return makers[press]()
 
 
 def cache_bytes(cache) -> int:
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-
-
-@torch.no_grad()
-def run(model, ids: torch.Tensor, press, question_ids: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-    cache = DynamicCache()
-    context = ids if question_ids is None else ids[:, : ids.shape[1] - question_ids.shape[1]]
-    decoding = isinstance(press, DecodingPress)  # active during the decoding steps too
-    if press is None or decoding:
-        out = model(context, past_key_values=cache, use_cache=True)
-    else:
-        with press(model):
-            out = model(context, past_key_values=cache, use_cache=True)
-    # explicit positions, as kvpress's own pipeline passes them: the pruned cache is shorter than the tokens seen
-    seen = context.shape[1]
-    if question_ids is not None:
-        length = question_ids.shape[1]
-        positions = torch.arange(seen, seen + length)[None].expand(ids.shape[0], -1)
-        out = model(question_ids.expand(ids.shape[0], -1), past_key_values=cache, use_cache=True,
-                    position_ids=positions)
-        seen += length
-    tokens = [out.logits[:, -1].argmax(-1)]
-    with press(model) if decoding else contextlib.nullcontext():
-        for step in range(NEW_TOKENS - 1):
-            positions = torch.full((ids.shape[0], 1), seen + step)
-            extra = {"cache_position": positions[0]} if decoding else {}  # DecodingPress tells decoding from it
-            out = model(tokens[-1][:, None], past_key_values=cache, use_cache=True, position_ids=positions, **extra)
-            tokens.append(out.logits[:, -1].argmax(-1))
-    return torch.stack(tokens, dim=1), cache_bytes(cache)
 
 
 def copy_cache(layers) -> DynamicCache:
@@ -94,37 +221,48 @@ def copy_cache(layers) -> DynamicCache:
     return cache
 
 
-def decode(model, cache, first: torch.Tensor, seen: int, decoding_press=None) -> torch.Tensor:
-    """``first`` (batch,) then NEW_TOKENS - 1 greedy tokens from ``cache`` (``seen`` tokens so far)."""
+def decode(model, cache, first: torch.Tensor, seen: int, new_tokens: int, decoding_press=None) -> torch.Tensor:
+    """``first`` (batch,) then ``new_tokens - 1`` greedy tokens from ``cache`` (``seen`` tokens so far): explicit
+    positions, as kvpress's own pipeline passes them, since a pruned cache is shorter than the tokens seen."""
     tokens = [first]
     with decoding_press(model) if decoding_press is not None else contextlib.nullcontext():
-        for step in range(NEW_TOKENS - 1):
+        for step in range(new_tokens - 1):
             positions = torch.full((first.shape[0], 1), seen + step)
-            extra = {"cache_position": positions[0]} if decoding_press is not None else {}
+            extra = {"cache_position": positions[0]} if decoding_press is not None else {}  # it tells decoding by it
             out = model(tokens[-1][:, None], past_key_values=cache, use_cache=True, position_ids=positions, **extra)
             tokens.append(out.logits[:, -1].argmax(-1))
     return torch.stack(tokens, dim=1)
 
 
-@torch.no_grad()
-def run_shared(model, ids: torch.Tensor, jobs: list, question_ids: torch.Tensor | None) -> list:
-    """One prefill for every prefill press of ``jobs``: a forward hook on each attention layer gives each press a
-    cache of its own holding this layer's keys and values and calls that press's own ``forward_hook`` on it, which
-    compresses it as in a prefill of its own (a press compresses a layer's cache after the layer's attention call,
-    so no prefill output depends on it). The first token comes from that prefill; each press then decodes from its
-    own cache. DecodingPress and "no press" decode from a copy of the full cache. Returns (tokens, bytes) per job."""
-    context = ids if question_ids is None else ids[:, : ids.shape[1] - question_ids.shape[1]]
-    prefill = [(i, press) for i, (_, press) in enumerate(jobs) if press is not None
-               and not isinstance(press, DecodingPress)]
+def run_shared(model, ids: torch.Tensor, presses: list, question: torch.Tensor | None, new_tokens: int) -> list:
+    """One prefill for every press of ``presses`` (None: no press): a forward hook on each attention layer gives each
+    prefill press a cache of its own holding this layer's keys and values and calls that press's own
+    ``forward_hook`` on it, which compresses it as in a prefill of its own (a press compresses a layer's cache after
+    the layer's attention call, so no prefill output depends on it). ``question`` (batch, q): the last q ids, fed
+    after the compression. The first token comes from the prefill (or the question); each press then decodes from
+    its own cache; DecodingPress and no press from a copy of the full cache. A single press uses the shared cache
+    itself (a prefill of its own). Returns (tokens, cache bytes) per press, or the exception it raised."""
+    context = ids if question is None else ids[:, : ids.shape[1] - question.shape[1]]
+    own = len(presses) == 1
+    prefill = [(i, p) for i, p in enumerate(presses) if p is not None and not isinstance(p, DecodingPress)]
     caches = {i: DynamicCache() for i, _ in prefill}
+    results: list = [None] * len(presses)
     for _, press in prefill:
         press.post_init_from_model(model)
 
     def fan_out(module, args, kwargs, output):
         held = kwargs["past_key_values"].layers[module.layer_idx]
-        for i, press in prefill:
-            caches[i].update(held.keys, held.values, module.layer_idx)
-            press.forward_hook(module, args, {**kwargs, "past_key_values": caches[i]}, output)
+        for i, press in list(prefill):
+            try:
+                if own:
+                    press.forward_hook(module, args, kwargs, output)
+                else:
+                    caches[i].update(held.keys, held.values, module.layer_idx)
+                    press.forward_hook(module, args, {**kwargs, "past_key_values": caches[i]}, output)
+            except Exception as exc:  # this press fails; the others go on
+                results[i] = exc
+                prefill.remove((i, press))
+                caches.pop(i, None)
         return output
 
     shared = DynamicCache()
@@ -138,103 +276,167 @@ def run_shared(model, ids: torch.Tensor, jobs: list, question_ids: torch.Tensor 
             hook.remove()
     seen, first = context.shape[1], out.logits[:, -1].argmax(-1)
     full = [(layer.keys, layer.values) for layer in shared.layers]
-    del shared, out
-    results = []
-    for i, (_, press) in enumerate(jobs):
-        cache = caches.pop(i) if i in caches else copy_cache(full)
-        here, token = seen, first
-        if question_ids is not None:
-            length = question_ids.shape[1]
-            positions = torch.arange(seen, seen + length)[None].expand(ids.shape[0], -1)
-            asked = model(question_ids.expand(ids.shape[0], -1), past_key_values=cache, use_cache=True,
-                          position_ids=positions)
-            here, token = seen + length, asked.logits[:, -1].argmax(-1)
-        tokens = decode(model, cache, token, here, press if isinstance(press, DecodingPress) else None)
-        results.append((tokens, cache_bytes(cache)))
+    del out
+    for i, press in enumerate(presses):
+        if results[i] is not None:
+            continue
+        cache = shared if own else caches.pop(i) if i in caches else copy_cache(full)
+        try:
+            here, token = seen, first
+            if question is not None:
+                length = question.shape[1]
+                positions = torch.arange(seen, seen + length)[None].expand(ids.shape[0], -1)
+                asked = model(question, past_key_values=cache, use_cache=True, position_ids=positions)
+                here, token = seen + length, asked.logits[:, -1].argmax(-1)
+            tokens = decode(model, cache, token, here, new_tokens, press if isinstance(press, DecodingPress) else None)
+            results[i] = (tokens, cache_bytes(cache))
+        except Exception as exc:  # recorded; the other presses go on
+            results[i] = exc
         del cache
     return results
+
+
+def answer_group(model, samples: list[dict], specs: list[tuple], batch: int, new_tokens: int,
+                 question_of=None, by_question: bool = False) -> list[dict]:
+    """Every spec's answers to ``samples`` (one task and length), batch by batch, one prefill per batch for all of
+    ``specs``. ``question_of(batch, ids)``: the question ids fed after the compression (None: no such split);
+    ``by_question``: batches of one question length. Per spec: {"samples", "tokens" (per batch), "bytes",
+    "seconds" (the group's), "error"}."""
+    length = samples[0]["length"]
+    states = []
+    for press, budget in specs:
+        state = {"samples": [], "tokens": [], "bytes": 0, "seconds": 0.0, "error": None}
+        try:
+            state["press"] = make_press(press, budget, length)
+        except Exception as exc:
+            state["error"] = describe(exc)
+        states.append(state)
+    start = time.perf_counter()
+    for part in batches(samples, batch, by_question):
+        live = [state for state in states if state["error"] is None]
+        if not live:
+            break
+        ids = torch.tensor([s["ids"] for s in part])
+        try:
+            with torch.no_grad():
+                question = question_of(part, ids) if question_of is not None else None
+                results = run_shared(model, ids, [state["press"] for state in live], question, new_tokens)
+        except Exception as exc:  # the prefill itself failed: every press of it
+            results = [exc] * len(live)
+        for state, result in zip(live, results, strict=True):
+            if isinstance(result, BaseException):
+                state["error"] = describe(result)
+            else:
+                state["samples"] += part
+                state["tokens"].append(result[0])
+                state["bytes"] += result[1]
+    seconds = time.perf_counter() - start
+    for state in states:
+        state["seconds"] = seconds
+    return states
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--out", type=Path, default=Path("results/bench/kv"))
-    parser.add_argument("--contexts", type=int, nargs="+", default=[1024])
+    parser.add_argument("--eval", type=Path, metavar="RUN_DIR", help="answer zoo eval's RUN_DIR/prompts.jsonl")
+    parser.add_argument("--out", type=Path, default=Path("results/bench/kv"), help="the passkey benchmark's folder")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.1])
-    parser.add_argument("--only", nargs="+", help="press names to run")
+    parser.add_argument("--decoding_budgets", type=float, nargs="+", default=[0.1],
+                        help="--eval: the budgets of DecodingPress (the passkey benchmark: every budget)")
+    parser.add_argument("--only", nargs="+", help="press names to run ('no press' included)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=0, help="prompts per forward (0: all of a context at once)")
-    parser.add_argument("--shared", action="store_true", help="one prefill per kind for every press (run_shared)")
-    parser.add_argument("--keys_per_depth", type=int, default=0, help="the first N prompts per depth")
+    parser.add_argument("--batch", type=int, default=0, help="prompts per forward (0: a whole group at once)")
+    parser.add_argument("--tasks", nargs="+", help="--eval: these task labels only")
+    parser.add_argument("--lengths", type=int, nargs="+", help="--eval: these lengths only")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024], help="passkey: these contexts")
+    parser.add_argument("--shared", action="store_true", help="passkey: one prefill per kind for every press")
+    parser.add_argument("--keys_per_depth", type=int, default=0, help="passkey: the first N prompts per depth")
     args = parser.parse_args()
+    if importlib.util.find_spec("kvpress") is None:
+        raise SystemExit("kvpress_peer: kvpress is not installed here; run scripts/kvpress_env.sh and use "
+                         ".venv-kvpress/bin/python")
+    if unknown_presses(args.only):
+        raise SystemExit(f"kvpress_peer: unknown presses {unknown_presses(args.only)}; known: {NO_PRESS!r}, "
+                         f"{', '.join(map(repr, PRESSES))}")
     torch.set_num_threads(args.threads)
+    transformers.utils.logging.disable_progress_bar()  # the weights' loading bar, per model
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    models = {impl: LlamaForCausalLM.from_pretrained(args.model, attn_implementation=impl).eval()
-              for impl in ("sdpa", "eager")}
-    question = torch.tensor([tokenizer(QUESTION, add_special_tokens=False).input_ids])
-    rows = json.loads((args.out / "prompts.json").read_text())
-    for context in args.contexts:
-        prompts = [row for row in rows if row["context"] == context]
-        ids = torch.tensor([row["ids"] for row in prompts])
-        jobs = [("no press", None, 1.0)]
-        for budget in args.budgets:
-            jobs += [(name, press, budget) for name, press in presses(1 - budget, int(budget * context)).items()]
-        if args.keys_per_depth:
-            prompts = [row for depth in sorted({r["depth"] for r in prompts})
-                       for row in [r for r in prompts if r["depth"] == depth][: args.keys_per_depth]]
-            ids = torch.tensor([row["ids"] for row in prompts])
-        jobs = [job for job in jobs if not args.only or job[0] in args.only]
-        size = args.batch or len(prompts)
+    models: dict = {}
 
-        def write(name, budget, new, nbytes, seconds, shared=False, context=context, prompts=prompts):
-            answers = tokenizer.batch_decode(new)
-            row = {"name": name, "budget": budget, "context": context, "per_prompt_bytes": nbytes // len(prompts),
-                   "found": [str(r["key"]) in a for r, a in zip(prompts, answers, strict=True)],
-                   "depths": [r["depth"] for r in prompts], "answers": answers, "seconds": seconds,
-                   "threads": args.threads, "shared_prefill": shared}
-            with (args.out / "kvpress.jsonl").open("a") as handle:
-                handle.write(json.dumps(row) + "\n")
-            print(json.dumps({k: row.get(k) for k in ("name", "budget", "context", "found", "seconds")}), flush=True)
+    def model_for(prefill: str):
+        impl = "eager" if prefill == "eager" else "sdpa"
+        if impl not in models:
+            models[impl] = LlamaForCausalLM.from_pretrained(args.model, attn_implementation=impl).eval()
+        return models[impl]
 
-        if args.shared:  # three kinds of prefill: sdpa, eager (ObservedAttention), the context without its question
-            kinds = {"sdpa": [], "eager": [], "no question": []}
-            for job in jobs:
-                kinds["eager" if job[0] == "ObservedAttention" else "no question" if
-                      job[0].endswith("(no question)") else "sdpa"].append(job)
-            for kind, group in kinds.items():
-                if not group:
-                    continue
-                start = time.perf_counter()
-                outputs = [[] for _ in group]
-                nbytes = [0] * len(group)
-                for first in range(0, len(prompts), size):
-                    results = run_shared(models["eager" if kind == "eager" else "sdpa"], ids[first : first + size],
-                                         [(name, press) for name, press, _ in group],
-                                         question if kind == "no question" else None)
-                    for index, (tokens, part) in enumerate(results):
-                        outputs[index].append(tokens)
-                        nbytes[index] += part
-                seconds = time.perf_counter() - start
-                for (name, _, budget), new, total in zip(group, outputs, nbytes, strict=True):
-                    write(name, budget, torch.cat(new), total, seconds, shared=True)
-            continue
-        for name, press, budget in jobs:
-            model = models["eager" if name == "ObservedAttention" else "sdpa"]
-            start = time.perf_counter()
+    if args.eval is not None:
+        run_eval(args, tokenizer, model_for)
+    else:
+        run_passkey(args, tokenizer, model_for)
+
+
+def split_question(part: list[dict], ids: torch.Tensor) -> torch.Tensor:
+    """The question of a batch of one ``question_tokens``: its last ids."""
+    return ids[:, ids.shape[1] - part[0]["question_tokens"]:]
+
+
+def run_eval(args, tokenizer, model_for) -> None:
+    """zoo eval's prompts: rows appended to RUN_DIR/kvpress.jsonl, the finished ones skipped."""
+    path = args.eval / "kvpress.jsonl"
+    versions = {"transformers": transformers.__version__, "kvpress": importlib.metadata.version("kvpress")}
+    done = finished(read_rows(path))
+    groups = group_samples(read_rows(args.eval / "prompts.jsonl"), args.tasks, args.lengths)
+    specs = eval_specs(args.budgets, args.decoding_budgets, args.only)
+    try:
+        from tqdm import tqdm
+
+        groups = tqdm(groups, desc="kvpress peer", unit="group")
+    except ImportError:
+        pass
+    for (task, length), samples in groups:
+        todo = pending(specs, task, length, done)
+        new_tokens = max(2, samples[0]["new_tokens"])  # as zoo eval's own answers
+        for prefill, group in by_kind(todo):
+            asks = prefill == "no question"  # its samples' own questions, fed after the compression
             try:
-                new, nbytes = [], 0
-                for first in range(0, len(prompts), size):
-                    tokens, part = run(model, ids[first : first + size], press,
-                                       question if name.endswith("(no question)") else None)
-                    new.append(tokens)
-                    nbytes += part
-            except Exception as exc:  # recorded, the run goes on
-                row = {"name": name, "budget": budget, "context": context, "error": f"{type(exc).__name__}: {exc}"}
-                with (args.out / "kvpress.jsonl").open("a") as handle:
-                    handle.write(json.dumps(row) + "\n")
-                print(json.dumps(row), flush=True)
-            else:
-                write(name, budget, torch.cat(new), nbytes, time.perf_counter() - start)
+                states = answer_group(model_for(prefill), samples, group, args.batch, new_tokens,
+                                      split_question if asks else None, by_question=asks)
+            except Exception as exc:  # e.g. the model failed to load
+                states = [{"error": describe(exc)} for _ in group]
+            for (press, budget), state in zip(group, states, strict=True):
+                if state["error"] is not None:
+                    row = eval_error_row(press, budget, task, length, state["error"], args.threads, versions)
+                else:
+                    outputs = tokenizer.batch_decode(torch.cat(state["tokens"]), skip_special_tokens=True)
+                    row = eval_row(press, budget, state["samples"], outputs, state["bytes"], state["seconds"],
+                                   args.threads, versions)
+                append_row(path, row)
+                print(json.dumps({k: row[k] for k in ("contestant", "task", "length", "seconds", "error")
+                                  if k in row}), flush=True)
+
+
+def run_passkey(args, tokenizer, model_for) -> None:
+    """The passkey benchmark's prompts (OUT/prompts.json): rows appended to OUT/kvpress.jsonl in its format."""
+    question = torch.tensor([tokenizer(QUESTION, add_special_tokens=False).input_ids])
+    samples = passkey_samples(json.loads((args.out / "prompts.json").read_text()), args.keys_per_depth)
+    for (_, context), group in group_samples(samples, lengths=args.contexts):
+        specs = passkey_specs(args.budgets, args.only)
+        sets = by_kind(specs) if args.shared else [(kind(press), [(press, budget)]) for press, budget in specs]
+        for prefill, jobs in sets:
+            asks = (lambda part, ids: question.expand(ids.shape[0], -1)) if prefill == "no question" else None
+            states = answer_group(model_for(prefill), group, jobs, args.batch, PASSKEY_NEW_TOKENS, asks)
+            for (press, budget), state in zip(jobs, states, strict=True):
+                if state["error"] is not None:
+                    row = {"name": press, "budget": budget, "context": context, "error": state["error"]}
+                else:
+                    answers = tokenizer.batch_decode(torch.cat(state["tokens"]))
+                    row = passkey_row(press, budget, state["samples"], answers, state["bytes"], state["seconds"],
+                                      args.threads, args.shared)
+                append_row(args.out / "kvpress.jsonl", row)
+                print(json.dumps({k: row.get(k) for k in ("name", "budget", "context", "found", "seconds", "error")
+                                  if k in row}), flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -125,7 +125,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tiny_folder, tmp_path, capsy
 
 
 def test_the_cpu_and_gpu_configs_load():
-    for name in ("smollm2_cpu", "gpu"):
+    for name in ("smollm2_cpu", "gpu", "passkey"):
         config = load_config(f"recipes/configs/eval/{name}.yaml")
         assert config.contestants[0]["name"] == "full cache"
         assert len({c["name"] for c in config.contestants}) == len(config.contestants)

@@ -78,10 +78,11 @@ def _job_cache(model, source, job: dict, context: int):
 
 
 def shared_generate(model, ids: torch.Tensor, jobs: list[dict], new_tokens: int = NEW_TOKENS,
-                    pad_token_id: int = 0) -> list[tuple[torch.Tensor, Any]]:
+                    pad_token_id: int = 0, until_eos: bool = False) -> list[tuple[torch.Tensor, Any]]:
     """Greedy ``new_tokens`` tokens of every job (contestant dicts of the families full, quantized, budget) after
     one prefill per kind of prefill (the full model's; ``h2o``'s, which computes its attention mass): the first token
-    from that prefill, the rest through ``generate`` continuing from the job's cache. Returns (sequences, cache)."""
+    from that prefill, the rest through ``generate`` continuing from the job's cache (``until_eos``: stopping once every
+row has ended its answer, else exactly ``new_tokens``). Returns (sequences, cache)."""
     context = ids.shape[1]
     results: list[Any] = [None] * len(jobs)
     for accumulates in (False, True):
@@ -101,7 +102,8 @@ def shared_generate(model, ids: torch.Tensor, jobs: list[dict], new_tokens: int 
             kwargs.pop("cache", None)
             with torch.no_grad():
                 out = model.generate(first, attention_mask=torch.ones_like(first), max_new_tokens=new_tokens - 1,
-                                     min_new_tokens=new_tokens - 1, do_sample=False, pad_token_id=pad_token_id,
+                                     min_new_tokens=None if until_eos else new_tokens - 1, do_sample=False,
+                                     pad_token_id=pad_token_id,
                                      cache=cache, **kwargs)
             results[i] = (out, cache)
         del source

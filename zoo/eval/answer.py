@@ -46,7 +46,8 @@ def answer_shared(model, tokenizer, samples: list[Sample], contestants: list[dic
     for part in _batches(samples, batch):
         ids = torch.tensor([s.ids for s in part], device=model.device)
         for index, (sequences, cache) in enumerate(shared_generate(model, ids, jobs, new_tokens=new_tokens,
-                                                                   pad_token_id=tokenizer.eos_token_id)):
+                                                                   pad_token_id=tokenizer.eos_token_id,
+                                                                   until_eos=True)):
             outputs[index] += tokenizer.batch_decode(sequences[:, length:], skip_special_tokens=True)
             nbytes[index] += cache_bytes(cache, contestants[index])
             del cache

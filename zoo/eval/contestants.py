@@ -85,9 +85,10 @@ def as_kv_job(contestant: dict[str, Any], length: int) -> dict[str, Any]:
 
 @torch.no_grad()
 def greedy(model, ids: torch.Tensor, new_tokens: int, pad_token_id: int, **kwargs) -> tuple[torch.Tensor, Any]:
-    """Greedy ``new_tokens`` tokens after ``ids`` (one batch, no padding): (new token ids, the cache)."""
+    """Greedy tokens after ``ids`` (one batch, no padding) until every row has ended its answer (end of sequence)
+    or ``new_tokens`` were made: (new token ids, the cache)."""
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_token_id,
+                         do_sample=False, pad_token_id=pad_token_id,
                          return_dict_in_generate=True, **kwargs)
     return out.sequences[:, ids.shape[1]:], out.past_key_values
 

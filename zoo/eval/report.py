@@ -114,14 +114,15 @@ def headline(results: dict[str, Any]) -> tuple[list[str], list[dict]]:
     reference = total.get(REFERENCE, {}).get("score")
     longest = max(lengths) if lengths else None
     bytes_at = {r["contestant"]: r["cache_bytes"] for r in answers if r["length"] == longest}
-    header = ["contestant", "kept", *[f"avg {n}" for n in lengths], "average [95% CI]", "of full",
+    header = ["contestant", "kept", *[f"avg {n}" for n in lengths], "average [95% CI]", "cells", "of full",
               f"cache at {longest}", "prefill s", "decode ms/token", "peak RSS"]
     rows, records = [], []
     for name, summary in total.items():
         fast = speed.get(name, {})
         share = summary["score"] / reference if reference else None
         cells = [f"{per_length[name][n]['score']:.2f}" if n in per_length[name] else "–" for n in lengths]
-        rows.append([name, _kept(info[name]), *cells, _cell(summary), "–" if share is None else f"{share:.0%}",
+        rows.append([name, _kept(info[name]), *cells, _cell(summary), summary["cells"],
+                     "–" if share is None else f"{share:.0%}",
                      human_bytes(bytes_at[name]) if name in bytes_at else "–",
                      f"{fast['prefill_s']:.2f}" if "prefill_s" in fast else "–",
                      f"{fast['ms_per_token']:.1f}" if "ms_per_token" in fast else "–",

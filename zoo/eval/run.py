@@ -104,8 +104,8 @@ class Models:
 def run_answers(config: EvalConfig, samples: list[Sample], models: Models) -> None:
     path = config.output_dir / "answers.jsonl"
     done = finished(read_rows(path))
-    todo = [(cell, [c for c in config.contestants if (c["name"], cell[0].task, cell[0].length) not in done])
-            for cell in cells(samples)]
+    todo = [(cell, [c for c in config.contestants if (c["name"], cell[0].task, cell[0].length) not in done
+                    and cell[0].length in c.get("lengths", [cell[0].length])]) for cell in cells(samples)]
     todo = [(cell, pending) for cell, pending in todo if pending]
     bar = tqdm(todo, desc="zoo eval: answers", unit="cell")
     for cell, pending in bar:
@@ -162,7 +162,8 @@ def run_speed(config: EvalConfig) -> None:
                 continue
             setting = {"model": config.model, "contestant": contestant, "length": length,
                        "new_tokens": settings.get("new_tokens", 16), "rounds": settings.get("rounds", 3),
-                       "threads": config.threads, "device": config.device, "dtype": config.dtype}
+                       "threads": settings.get("threads", config.threads), "device": config.device,
+                       "dtype": config.dtype}
             append_row(path, measure_in_process(setting))
 
 
@@ -172,8 +173,9 @@ def peer_command(config: EvalConfig) -> list[str] | None:
     if not settings:
         return None
     command = [str(Path(settings.get("python", ".venv-kvpress/bin/python"))), str(PEER), "--eval",
-               str(config.output_dir), "--model", str(settings.get("model_folder", "")), "--threads",
-               str(config.threads), "--budgets", *map(str, settings.get("budgets", [0.5, 0.25, 0.1]))]
+               str(config.output_dir), "--model", str(settings.get("model_folder") or _model_folder(config.model)),
+               "--threads", str(settings.get("threads", config.threads)),
+               "--budgets", *map(str, settings.get("budgets", [0.5, 0.25, 0.1]))]
     if settings.get("decoding_budgets"):
         command += ["--decoding_budgets", *map(str, settings["decoding_budgets"])]
     if settings.get("presses"):
@@ -183,18 +185,23 @@ def peer_command(config: EvalConfig) -> list[str] | None:
     return command
 
 
-def run_peer(config: EvalConfig) -> None:
-    """Run the kvpress peer when its environment exists (``scripts/kvpress_env.sh``), else say how to."""
+def _model_folder(name: str) -> str:
+    return str(smollm2_folder()) if name == "smollm2" else name
+
+
+def start_peer(config: EvalConfig) -> subprocess.Popen | None:
+    """Start the kvpress peer when its environment exists (``scripts/kvpress_env.sh``), else say how to; with
+    ``kvpress.parallel`` the caller answers its own contestants meanwhile (each side on ``threads`` cores)."""
     command = peer_command(config)
     if command is None:
-        return
-    if not command[-1 if "--model" not in command else command.index("--model") + 1]:
-        command[command.index("--model") + 1] = str(smollm2_folder())
+        return None
     if not Path(command[0]).exists():
         print(f"zoo eval: kvpress peer skipped ({command[0]} is missing: run scripts/kvpress_env.sh, then "
               f"{shlex.join(command)})", flush=True)
-        return
-    subprocess.run(command, check=False, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        return None
+    log = (config.output_dir / "kvpress.log").open("a")
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 
 def run(config: EvalConfig, *, resume: bool = True, dry_run: bool = False, stages: tuple[str, ...] = ()) -> Path:
@@ -211,16 +218,20 @@ def run(config: EvalConfig, *, resume: bool = True, dry_run: bool = False, stage
     (out / "config.yaml").write_text(yaml.safe_dump(config.source, sort_keys=False))
     write_prompts(out, samples, resume)
     wanted = stages or ("answers", "perplexity", "speed", "kvpress", "report")
+    parallel = bool((config.kvpress or {}).get("parallel"))
+    peer = start_peer(config) if "kvpress" in wanted and parallel else None
     if "answers" in wanted:
         run_answers(config, samples, models)
     if "perplexity" in wanted:
         run_perplexity(config, models)
-    if "speed" in wanted:
+    if "kvpress" in wanted and not parallel:
+        peer = start_peer(config)
+    if peer is not None and peer.wait() != 0:
+        print(f"zoo eval: the kvpress peer exited with {peer.returncode}; see {config.output_dir / 'kvpress.log'}")
+    if "speed" in wanted:  # last, alone on the machine
         del model
         models.base = None
         run_speed(config)
-    if "kvpress" in wanted:
-        run_peer(config)
     if "report" in wanted:
         write_eval_report(out)
     return out
