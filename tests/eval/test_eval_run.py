@@ -12,7 +12,6 @@ import torch
 import transformers
 import yaml
 from transformers import AutoTokenizer
-from zoo.eval.scoring import summarize
 
 from zoo.data.pretrained import smollm2_folder
 from zoo.eval.cli import main
@@ -20,6 +19,7 @@ from zoo.eval.config import EvalConfigError, expand_contestants, load_config
 from zoo.eval.perplexity import documents, token_losses
 from zoo.eval.report import overall, zoo_against_kvpress
 from zoo.eval.run import read_rows
+from zoo.eval.scoring import summarize
 
 
 @pytest.fixture(scope="module")
