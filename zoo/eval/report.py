@@ -50,7 +50,10 @@ def score_peer_rows(rows: list[dict], samples: dict[tuple[str, int, int], Sample
 def load_results(out: Path) -> dict[str, Any]:
     """Every measurement of a run folder, deduplicated (a contestant x task x length measured twice: its first row)."""
     samples = {(s.task, s.length, s.index): s for s in (Sample.from_json(r) for r in _rows(out / "prompts.jsonl"))}
-    answers = _rows(out / "answers.jsonl") + score_peer_rows(_rows(out / "kvpress.jsonl"), samples)
+    cells = {(task, length) for task, length, _ in samples}
+    peer = [r for r in _rows(out / "kvpress.jsonl") if (r["task"], r["length"]) in cells]
+    answers = [r for r in _rows(out / "answers.jsonl") + score_peer_rows(peer, samples)
+               if (r["task"], r["length"]) in cells]  # a resumed run that dropped a task or length reports without it
     return {
         "answers": _first_ok(answers, lambda r: (r["contestant"], r["task"], r["length"])),
         "errors": [r for r in answers + _rows(out / "kvpress.jsonl") if "error" in r],

@@ -9,7 +9,6 @@ report (``results.md``, ``results.csv``, ``results.json``, plots).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shlex
@@ -54,20 +53,19 @@ def build_samples(config: EvalConfig, tokenizer) -> list[Sample]:
     return samples
 
 
-def fingerprint(samples: list[Sample]) -> str:
-    return hashlib.sha256(json.dumps([s.to_json() for s in samples], sort_keys=True).encode()).hexdigest()[:16]
-
-
 def write_prompts(out: Path, samples: list[Sample], resume: bool) -> None:
-    """``prompts.jsonl``; a resumed run must have the same prompts as the one it continues."""
+    """``prompts.jsonl``. A resumed run may add or drop tasks and lengths (every sample has its own seed), but a
+    sample it shares with the run it continues must be the same: the answers there belong to it."""
     path = out / "prompts.jsonl"
-    if path.exists() and resume and (out / "answers.jsonl").exists():
-        old = [Sample.from_json(row) for row in read_rows(path)]
-        if fingerprint(old) != fingerprint(samples):
-            raise SystemExit(f"zoo eval: {path} holds other prompts than this config makes (tasks, lengths, samples "
-                             "or seed changed): the answers there belong to those. Use another output_dir, or "
-                             "--overwrite to start this one again.")
-        return
+    if path.exists() and resume:
+        old = {(s.task, s.length, s.index): s.to_json() for s in map(Sample.from_json, read_rows(path))}
+        changed = sorted(f"{task} @ {length} #{index}" for (task, length, index), row in old.items()
+                         if (new := next((s for s in samples if (s.task, s.length, s.index) == (task, length, index)),
+                                         None)) is not None and new.to_json() != row)
+        if changed:
+            raise SystemExit(f"zoo eval: {path} holds other prompts than this config makes for {changed[:3]} "
+                             f"({len(changed)} samples; the seed, a task's options or a sample count changed): the "
+                             "answers there belong to those. Use another output_dir, or --overwrite to start again.")
     path.write_text("".join(json.dumps(s.to_json()) + "\n" for s in samples))
 
 

@@ -1,0 +1,1 @@
+"""Running zoo-configured models in other tools' harnesses (``python -m zoo.interop.lm_eval``)."""
