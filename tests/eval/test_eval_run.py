@@ -90,9 +90,14 @@ def test_a_tiny_run_measures_every_family_resumes_and_reports(tiny_folder, tmp_p
     assert main([str(config), "--stages", "answers", "perplexity", "speed"]) == 0  # resumed: nothing to do
     assert sizes == {name: (out / name).stat().st_size for name in sizes}
 
-    changed = write_config(tmp_path / "other.yaml", tiny_folder, out, samples=3)
+    changed = write_config(tmp_path / "other.yaml", tiny_folder, out, samples=3)  # the depths of samples 0, 1 move
     with pytest.raises(SystemExit, match="other prompts"):
         main([str(changed)])
+
+    fewer = write_config(tmp_path / "fewer.yaml", tiny_folder, out, tasks=["passkey"])  # a task dropped
+    assert main([str(fewer), "--stages", "answers", "report"]) == 0
+    assert sizes["answers.jsonl"] == (out / "answers.jsonl").stat().st_size  # its answers kept, nothing new to run
+    assert "niah_single" not in (out / "results.md").read_text().split("## Perplexity")[0]
 
 
 def test_perplexity_through_a_chunked_cache_equals_one_forward(tiny_folder):
