@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Build a second environment with NVIDIA kvpress 0.5.5, which pins transformers<5.3 (on 5.24 every press fails with
-# KeyError: 'past_key_values'), for the peer runs of the passkey benchmark (zoo/bench/kv.py, scripts/kvpress_peer.py).
+# KeyError: 'past_key_values'), for scripts/kvpress_peer.py: the kvpress peer of `zoo eval` (zoo/eval/run.py runs
+# `.venv-kvpress/bin/python scripts/kvpress_peer.py --eval RUN_DIR ...` when this environment exists) and of the
+# passkey benchmark (zoo/bench/kv.py, `--out results/bench/kv`).
 # Usage: scripts/kvpress_env.sh [VENV]   (default .venv-kvpress; idempotent)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -270,7 +270,7 @@ def run_shared(model, ids: torch.Tensor, presses: list, question: torch.Tensor |
         layer.self_attn.rotary_emb = model.model.rotary_emb
     hooks = [layer.self_attn.register_forward_hook(fan_out, with_kwargs=True) for layer in model.model.layers]
     try:
-        out = model(context, past_key_values=shared, use_cache=True)
+        out = model(context, past_key_values=shared, use_cache=True, logits_to_keep=1)  # as generate: the last
     finally:
         for hook in hooks:
             hook.remove()
@@ -286,7 +286,8 @@ def run_shared(model, ids: torch.Tensor, presses: list, question: torch.Tensor |
             if question is not None:
                 length = question.shape[1]
                 positions = torch.arange(seen, seen + length)[None].expand(ids.shape[0], -1)
-                asked = model(question, past_key_values=cache, use_cache=True, position_ids=positions)
+                asked = model(question, past_key_values=cache, use_cache=True, position_ids=positions,
+                              logits_to_keep=1)
                 here, token = seen + length, asked.logits[:, -1].argmax(-1)
             tokens = decode(model, cache, token, here, new_tokens, press if isinstance(press, DecodingPress) else None)
             results[i] = (tokens, cache_bytes(cache))
