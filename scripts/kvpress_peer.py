@@ -409,12 +409,22 @@ def run_eval(args, tokenizer, model_for) -> None:
                 if state["error"] is not None:
                     row = eval_error_row(press, budget, task, length, state["error"], args.threads, versions)
                 else:
-                    outputs = tokenizer.batch_decode(torch.cat(state["tokens"]), skip_special_tokens=True)
+                    outputs = tokenizer.batch_decode(until_end(torch.cat(state["tokens"]), tokenizer.eos_token_id),
+                                                     skip_special_tokens=True)
                     row = eval_row(press, budget, state["samples"], outputs, state["bytes"], state["seconds"],
                                    args.threads, versions)
                 append_row(path, row)
                 print(json.dumps({k: row[k] for k in ("contestant", "task", "length", "seconds", "error")
                                   if k in row}), flush=True)
+
+
+def until_end(tokens, eos: int | None):
+    """Each row's tokens up to its first end-of-sequence token (the rest turned into it), as ``generate`` pads a row
+    that has ended: zoo eval's own answers end there."""
+    if eos is None:
+        return tokens
+    ended = (tokens == eos).cumsum(dim=1) > 0
+    return tokens.masked_fill(ended, eos)
 
 
 def run_passkey(args, tokenizer, model_for) -> None:

@@ -24,3 +24,13 @@ def test_compare_takes_both_spellings(flag, monkeypatch):
     monkeypatch.setattr(compare, "compare", lambda *args: called.update(args=args) or [])  # a summary: no run failed
     compare.main(["recipes/configs/compare_smoke.yaml", flag, "outputs/elsewhere", "--overwrite"])
     assert called["args"] == ("recipes/configs/compare_smoke.yaml", "outputs/elsewhere", True)
+
+
+@pytest.mark.parametrize("flag", ["--output_dir", "--output-dir"])
+def test_eval_takes_both_spellings(flag, monkeypatch):
+    from zoo.eval import cli  # noqa: PLC0415
+
+    called = {}
+    monkeypatch.setattr(cli, "run", lambda config, **kw: called.update(config=config, **kw) or config.output_dir)
+    cli.main(["recipes/configs/eval/smollm2_cpu.yaml", flag, "outputs/elsewhere", "--dry-run"])
+    assert str(called["config"].output_dir) == "outputs/elsewhere" and called["dry_run"]

@@ -10,7 +10,9 @@ cache: the ``budget`` variant under each policy, against transformers' full cach
 
 The accuracy part is also a ``zoo eval`` config (``zoo eval recipes/configs/eval/passkey.yaml``: the same passkey
 prompts, scored with intervals and reported as every eval task, with the same decode timer and report writer); this
-entry keeps the memory diagnosis and the tiny-model decode rows. The entry point only; the pieces live beside it: the prompts in :mod:`zoo.bench.passkey`, the contestants in
+entry keeps the memory diagnosis and the tiny-model decode rows.
+
+The entry point only; the pieces live beside it: the prompts in :mod:`zoo.bench.passkey`, the contestants in
 :mod:`zoo.bench.kv_contestants`, the accuracy table in :mod:`zoo.bench.kv_accuracy`, peak RSS in
 :mod:`zoo.bench.kv_memory`, decode time in :mod:`zoo.bench.kv_decode` (the timer of :mod:`zoo.bench.timer`), the
 report in :mod:`zoo.bench.kv_report` and the arguments in :func:`zoo.bench.cli.kv_main`.

@@ -18,9 +18,10 @@ STAGES = ("answers", "perplexity", "speed", "kvpress", "report")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="a zoo eval YAML config (recipes/configs/eval/*.yaml)")
-    parser.add_argument("--output_dir", help="the run folder (default: the config's output_dir)")
-    parser.add_argument("--dry_run", action="store_true", help="print the plan (tasks, samples, contestants); run "
-                        "nothing")
+    parser.add_argument("--output_dir", "--output-dir", dest="output_dir",
+                        help="the run folder (default: the config's output_dir)")
+    parser.add_argument("--dry_run", "--dry-run", dest="dry_run", action="store_true",
+                        help="print the plan (tasks, samples, contestants); run nothing")
     parser.add_argument("--overwrite", action="store_true", help="delete the run folder first (default: resume it)")
     parser.add_argument("--stages", nargs="+", choices=STAGES,
                         help=f"run only these stages (default: {' '.join(STAGES)})")
