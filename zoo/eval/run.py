@@ -99,7 +99,10 @@ class Models:
         return self.base
 
 
-def run_answers(config: EvalConfig, samples: list[Sample], models: Models) -> None:
+def run_answers(config: EvalConfig, samples: list[Sample], models: Models,
+                peer: subprocess.Popen | None = None) -> None:
+    """Every pending contestant x task x length; while ``peer`` (the kvpress peer) runs beside, on
+    ``config.threads`` cores, then on the peer's cores too."""
     path = config.output_dir / "answers.jsonl"
     done = finished(read_rows(path))
     todo = [(cell, [c for c in config.contestants if (c["name"], cell[0].task, cell[0].length) not in done
@@ -107,6 +110,9 @@ def run_answers(config: EvalConfig, samples: list[Sample], models: Models) -> No
     todo = [(cell, pending) for cell, pending in todo if pending]
     bar = tqdm(todo, desc="zoo eval: answers", unit="cell")
     for cell, pending in bar:
+        if peer is not None and peer.poll() is not None:  # the peer is done: its cores are free
+            torch.set_num_threads(config.threads + int((config.kvpress or {}).get("threads", config.threads)))
+            peer = None
         bar.set_postfix_str(f"{cell[0].task} {cell[0].length}: {len(pending)} contestants")
 
         def write(row: dict) -> None:
@@ -219,7 +225,7 @@ def run(config: EvalConfig, *, resume: bool = True, dry_run: bool = False, stage
     parallel = bool((config.kvpress or {}).get("parallel"))
     peer = start_peer(config) if "kvpress" in wanted and parallel else None
     if "answers" in wanted:
-        run_answers(config, samples, models)
+        run_answers(config, samples, models, peer)
     if "perplexity" in wanted:
         run_perplexity(config, models)
     if "kvpress" in wanted and not parallel:
