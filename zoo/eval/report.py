@@ -77,14 +77,22 @@ def averages(answers: list[dict]) -> dict[str, dict[int, dict]]:
     return table
 
 
-def overall(answers: list[dict], lengths: list[int]) -> dict[str, dict]:
-    """contestant -> the average over every task x length cell of ``lengths`` (equal weight) and the pooled interval."""
+def reference_cells(answers: list[dict], lengths: list[int]) -> set[tuple[str, int]]:
+    """The task x length cells of ``lengths`` the reference row has (every cell when there is no reference)."""
+    cells = {(r["task"], r["length"]) for r in answers if r["length"] in lengths}
+    mine = {(r["task"], r["length"]) for r in answers if r["contestant"] == REFERENCE}
+    return cells & mine if mine else cells
+
+
+def overall(answers: list[dict], lengths: list[int], cells: set[tuple[str, int]] | None = None) -> dict[str, dict]:
+    """contestant -> the score over its samples of the ``cells`` (default: the reference's at ``lengths``) with the
+    95% interval: the mean over those samples (at one length every task has as many samples: the task average)."""
+    cells = reference_cells(answers, lengths) if cells is None else cells
     result = {}
     for name in dict.fromkeys(r["contestant"] for r in answers):
-        here = [r for r in answers if r["contestant"] == name and r["length"] in lengths]
+        here = [r for r in answers if r["contestant"] == name and (r["task"], r["length"]) in cells]
         if here:
-            result[name] = {**summarize([s for r in here for s in r["scores"]]),
-                            "score": statistics.fmean(r["score"] for r in here), "cells": len(here)}
+            result[name] = {**summarize([s for r in here for s in r["scores"]]), "cells": len(here)}
     return result
 
 
@@ -182,15 +190,35 @@ def zoo_against_kvpress(answers: list[dict], lengths: list[int]) -> list[str]:
         zoo, peer = best("budget"), best("kvpress")
         if zoo is None or peer is None:
             continue
-        verdict = "tie (intervals overlap)" if intervals_overlap(total[zoo], total[peer]) else (
-            "zoo ahead" if total[zoo]["score"] > total[peer]["score"] else "kvpress ahead")
+        both = {(r["task"], r["length"]) for r in answers if r["contestant"] == zoo} & {
+            (r["task"], r["length"]) for r in answers if r["contestant"] == peer}
+        pair = overall([r for r in answers if r["contestant"] in (zoo, peer)], lengths, both)
+        verdict = "tie (intervals overlap)" if intervals_overlap(pair[zoo], pair[peer]) else (
+            "zoo ahead" if pair[zoo]["score"] > pair[peer]["score"] else "kvpress ahead")
         deciding = [f"{r['task']} @ {r['length']} ({r['score']:.2f} vs {o['score']:.2f})" for r in answers
                     if r["contestant"] == zoo and r["length"] in lengths for o in answers
                     if o["contestant"] == peer and (o["task"], o["length"]) == (r["task"], r["length"])
                     and not intervals_overlap(r, o)]
-        lines.append(f"- {kept:.0%}: zoo `{zoo}` {_cell(total[zoo])} vs `{peer}` {_cell(total[peer])}: {verdict}; "
-                     f"tasks whose intervals do not overlap: {', '.join(deciding) or 'none'}")
+        lines.append(f"- {kept:.0%} ({len(both)} cells): zoo `{zoo}` {_cell(pair[zoo])} vs `{peer}` "
+                     f"{_cell(pair[peer])}: {verdict}; tasks whose intervals do not overlap: "
+                     f"{', '.join(deciding) or 'none'}")
     return lines
+
+
+def peer_agreement(answers: list[dict]) -> str:
+    """How often kvpress's uncompressed answers equal the zoo's full-cache answers (the two environments' sanity
+    check: transformers 5.2 and 5.24 on the same prompts), and how often their scores do."""
+    ours = {(r["task"], r["length"], i): (o, s) for r in answers if r["contestant"] == REFERENCE
+            for i, o, s in zip(r["indices"], r["outputs"], r["scores"], strict=True)}
+    theirs = {(r["task"], r["length"], i): (o, s) for r in answers if r["contestant"] == "kvpress no press"
+              for i, o, s in zip(r["indices"], r["outputs"], r["scores"], strict=True)}
+    both = sorted(set(ours) & set(theirs))
+    if not both:
+        return "(no kvpress rows on the reference's samples)"
+    same = sum(ours[k][0].strip() == theirs[k][0].strip() for k in both)
+    scored = sum(ours[k][1] == theirs[k][1] for k in both)
+    return (f"kvpress's `no press` against the zoo's `{REFERENCE}` on the same {len(both)} samples: the same answer "
+            f"text {same} times, the same score {scored} times.")
 
 
 def policy_robustness(answers: list[dict], lengths: list[int]) -> list[str]:
@@ -282,7 +310,8 @@ def render(results: dict[str, Any], table: list[str]) -> str:
              f"in the greedy answer); the headline averages every task x length cell at {lengths}; intervals are 95% "
              "Wilson intervals over the pooled samples. Cache bytes per sequence after the answer.", "", *table, "",
              "## Per task", "", *task_tables(answers), "## The zoo's best policy against kvpress's best press", "",
-             *(zoo_against_kvpress(answers, lengths) or ["(no kvpress rows)"]), "", "## Policies", "",
+             *(zoo_against_kvpress(answers, lengths) or ["(no kvpress rows)"]), "", peer_agreement(answers), "",
+             "## Policies", "",
              *policy_robustness(answers, lengths), ""]
     for kept in sorted({r["kept"] for r in answers if r["family"] == "budget"}, reverse=True):
         lines += [f"Tasks separating the policies at {kept:.0%} (disjoint intervals): "

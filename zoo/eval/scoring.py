@@ -58,7 +58,8 @@ def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
     denominator = 1 + z * z / n
     center = (p + z * z / (2 * n)) / denominator
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
-    return max(0.0, center - half), min(1.0, center + half)
+    # the interval always holds the observed share (rounding would put it a hair outside at 0 and 1)
+    return min(p, max(0.0, center - half)), max(p, min(1.0, center + half))
 
 
 def summarize(scores: list[float]) -> dict:
