@@ -97,10 +97,10 @@ def overall(answers: list[dict], lengths: list[int], cells: set[tuple[str, int]]
 
 
 def common_lengths(answers: list[dict]) -> list[int]:
-    """The lengths at which every task of the run was measured (the headline average's)."""
-    tasks = {r["task"] for r in answers}
+    """The lengths at which more than one task was measured (the headline average's; a length of one task alone,
+    such as a long needle check, is left to the per-task tables)."""
     at = {n: {r["task"] for r in answers if r["length"] == n} for n in {r["length"] for r in answers}}
-    return sorted(n for n, here in at.items() if here == tasks)
+    return sorted(n for n, here in at.items() if len(here) > 1 or len(at) == 1)
 
 
 def _kept(row: dict) -> str:
@@ -125,7 +125,9 @@ def headline(results: dict[str, Any]) -> tuple[list[str], list[dict]]:
     reference = total.get(REFERENCE, {}).get("score")
     longest = max(lengths) if lengths else None
     bytes_at = {r["contestant"]: r["cache_bytes"] for r in answers if r["length"] == longest}
-    header = ["contestant", "kept", *[f"avg {n}" for n in lengths], "average [95% CI]", "cells", "of full",
+    tasks_at = {n: len({r["task"] for r in answers if r["length"] == n}) for n in lengths}
+    header = ["contestant", "kept", *[f"avg {n} ({tasks_at[n]} tasks)" for n in lengths], "average [95% CI]", "cells",
+              "of full",
               f"cache at {longest}", "prefill s", "decode ms/token", "peak RSS"]
     rows, records = [], []
     for name, summary in total.items():
