@@ -15,7 +15,7 @@ from zoo.cache import GrowingLayer, cache_nbytes
 from zoo.ops import nsa as nsa_ops
 from zoo.ops import softmax_attention
 from zoo.plug.dispatch import run_variant
-from zoo.testing import assert_memory_below_quadratic, make_call, reference
+from zoo.testing import assert_memory_below_quadratic, decode_prompts, greedy, make_call, reference
 from zoo.variant import VariantParameterError
 
 HEADS, KV_HEADS, DIM, HIDDEN = 4, 2, 16, 24
@@ -33,10 +33,13 @@ def inputs(n: int, batch: int = 2, seed: int = 0, dtype=torch.float32, kv_heads:
     return *(x.to(dtype) for x in (q, k, v, hidden)), weights
 
 
-def left_padded(batch: int, n: int, pad: int) -> torch.Tensor:
-    mask = torch.ones(batch, n, dtype=torch.bool)
-    mask[-1, :pad] = False
-    return mask
+def padding_mask(padding: str | None, n: int, pad: int = 7) -> torch.Tensor | None:
+    """None, or (2, n) with the last row's first (``"left"``) or last (``"right"``) ``pad`` tokens padding."""
+    if padding is None:
+        return None
+    positions = torch.arange(n)
+    padded = positions < pad if padding == "left" else positions >= n - pad
+    return torch.stack([torch.ones(n, dtype=torch.bool), ~padded])
 
 
 def naive(q, k, v, hidden, mask, weights, l, d, sel, top_n, w):  # noqa: E741  (the paper's names)
@@ -88,12 +91,7 @@ def kernel(variant, q, k, v, hidden, mask, weights):
 @pytest.mark.parametrize("n", [48, 45], ids=["block-multiple", "not-a-multiple"])
 def test_kernel_equals_the_per_query_loop(padding, n):
     q, k, v, hidden, weights = inputs(n)
-    mask = None
-    if padding == "left":
-        mask = left_padded(2, n, 7)
-    elif padding == "right":
-        mask = torch.ones(2, n, dtype=torch.bool)
-        mask[-1, n - 7 :] = False
+    mask = padding_mask(padding, n)
     variant = NSAAttention(**SMALL)
     with torch.no_grad():
         out = kernel(variant, q, k, v, hidden, mask, weights)
@@ -111,7 +109,7 @@ def test_outputs_and_gradients_match_the_per_query_loop():
     """fp32, a left-padded row, GQA: gradients of q, k, v, the hidden states and every learned weight."""
     n = 37
     q, k, v, hidden, weights = inputs(n)
-    mask = left_padded(2, n, 5)
+    mask = padding_mask("left", n, 5)
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).masked_fill(~mask[:, None, :, None], 0)
     variant = NSAAttention(**SMALL)
     results = []
@@ -193,7 +191,7 @@ def test_left_padding_content_and_amount_leave_real_rows_unchanged():
             garbage = [torch.randn(*x.shape[:-2], pad, x.shape[-1], generator=gen) * 50 for x in (q, k, v)]
             padded = [torch.cat([g, x], -2) for g, x in zip(garbage, (q, k, v), strict=True)]
             padded_hidden = torch.cat([torch.randn(1, pad, HIDDEN, generator=gen) * 50, hidden], 1)
-            mask = left_padded(1, n + pad, pad)
+            mask = padding_mask("left", n + pad, pad)[-1:]
             out = kernel(variant, *padded, padded_hidden, mask, weights)
             torch.testing.assert_close(out[:, :, pad:], alone, atol=1e-5, rtol=1e-4)
             assert (out[:, :, :pad] == 0).all()
@@ -221,13 +219,13 @@ def test_bf16_runs_without_nan_and_stays_close_to_fp32():
     q, k, v, hidden, weights = inputs(n, dtype=torch.bfloat16)
     variant = NSAAttention(**SMALL)
     leaves = [x.clone().requires_grad_() for x in (q, k, v, hidden)]
-    out = kernel(variant, *leaves, left_padded(2, n, 9), weights)
+    out = kernel(variant, *leaves, padding_mask("left", n, 9), weights)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     out.float().sum().backward()
     assert all(torch.isfinite(x.grad).all() for x in leaves)
     assert all(torch.isfinite(p.grad).all() for p in weights.parameters())
     with torch.no_grad():
-        full = kernel(variant, *(x.float() for x in (q, k, v, hidden)), left_padded(2, n, 9), weights.float())
+        full = kernel(variant, *(x.float() for x in (q, k, v, hidden)), padding_mask("left", n, 9), weights.float())
     assert float((out.detach().float() - full).norm() / full.norm()) < 0.05
 
 
@@ -280,14 +278,10 @@ def tiny_llama(**params):
 
 def test_decoding_cache_keeps_the_compressed_blocks_and_counts_them():
     model = tiny_llama()
-    ids = torch.randint(3, 64, (2, 30), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[0, :5] = 0
-    greedy = dict(attention_mask=mask, max_new_tokens=9, do_sample=False, pad_token_id=0)
+    ids, mask = decode_prompts(30)  # the first row left-padded by 5
     with torch.no_grad():
-        out = model.generate(ids, return_dict_in_generate=True, **greedy)
-        full = model.generate(ids, use_cache=False, **greedy)
-    assert torch.equal(out.sequences, full)
+        out = greedy(model, ids, mask, 9, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, greedy(model, ids, mask, 9, use_cache=False))
     layer = out.past_key_values.layers[0]
     assert isinstance(layer, NSALayer)
     seen = out.sequences.shape[-1] - 1  # the last token was never fed back
