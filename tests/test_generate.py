@@ -10,6 +10,7 @@ import transformers
 from transformers.cache_utils import DynamicCache, DynamicLayer, StaticCache
 from zoo.variants.dsa import DSALayer
 from zoo.variants.moba import MoBALayer
+from zoo.variants.nsa import NSALayer
 
 import zoo
 from zoo.cache import (
@@ -47,6 +48,7 @@ VARIANTS = {
     "bigbird": ("bigbird", {"block_size": 4, "num_random_blocks": 1}, GrowingLayer),
     "moba": ("moba", {"block_size": 4, "top_k": 1}, MoBALayer),
     "dsa": ("dsa", {"index_heads": 2, "index_dim": 8, "top_k": 6}, DSALayer),
+    "nsa": ("nsa", {"compress_block": 4, "compress_stride": 2, "select_block": 4, "top_n": 4, "window": 6}, NSALayer),
 }
 NEW_TOKENS = 10
 
@@ -321,7 +323,7 @@ def test_a_malformed_config_entry_names_the_entry_and_the_file(tmp_path, entry, 
 
 
 @pytest.mark.parametrize("variant", ["longformer-sinks", "xformers-window", "sparse-fixed", "linear", "performer",
-                                     "bigbird", "sparse-strided", "moba", "dsa"])
+                                     "bigbird", "sparse-strided", "moba", "dsa", "nsa"])
 def test_chunked_prefill_continues_from_the_cache(variant):
     """generate(prefill_chunk_size=...) feeds the prompt in pieces: every piece after the first decodes several
     tokens against the cache (windowed selection over many queries, a recurrent state advanced by a chunk)."""

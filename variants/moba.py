@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from zoo.cache import KernelStateLayer
+from zoo.cache.kernel_state import complete_blocks, row_blocks
 from zoo.ops import by_row_span, softmax_attention
 from zoo.ops.moba import decode_attention, masked_block_mean, moba_allowed, moba_attention, moba_flops
 from zoo.variant import AttentionCall, Param, Variant
@@ -86,8 +87,8 @@ class MoBALayer(KernelStateLayer):
         O(new tokens · d) amortized, plus repeating the means to the ``heads`` query heads."""
         keys, block = self.keys, self.block_size
         batch, kv_heads, n, dim = keys.shape
-        starts = row_start.to(keys.device) if row_start is not None else keys.new_zeros(batch, dtype=torch.long)
-        complete = torch.div(n - starts, block, rounding_mode="floor").clamp(min=0)
+        starts = self.row_starts(row_start)
+        complete = complete_blocks(n, starts, block, block)
         if self.means is None:
             self.means = keys.new_zeros(batch, kv_heads, 0, dim, dtype=torch.float32)
             self.filled = torch.zeros(batch, 0, dtype=torch.bool, device=keys.device)
@@ -96,15 +97,8 @@ class MoBALayer(KernelStateLayer):
         first, total = int(self.summarized.min()), int(complete.max())
         if total > first:
             numbers = torch.arange(first, total, device=keys.device)
-            positions = starts[:, None, None] + (numbers * block)[None, :, None] + torch.arange(block,
-                                                                                            device=keys.device)
-            real = positions < n
-            positions = positions.clamp(max=n - 1)
-            if padding_mask is not None:
-                real = real & padding_mask.bool()[torch.arange(batch, device=keys.device)[:, None, None], positions]
-            index = positions.view(batch, 1, -1, 1).expand(batch, kv_heads, -1, dim)
-            blocks = keys.gather(2, index).float().view(batch, kv_heads, len(numbers), block, dim)
-            means, counts = masked_block_mean(blocks, real[:, None])
+            blocks, real = row_blocks(keys, starts, padding_mask, numbers, block, block)
+            means, counts = masked_block_mean(blocks.float(), real[:, None])
             self.means = torch.cat([self.means[:, :, :first], means], 2)
             self.filled = torch.cat([self.filled[:, :first], (counts[:, 0] > 0) & (numbers < complete[:, None])], 1)
             self.summarized = complete
@@ -115,7 +109,7 @@ class MoBALayer(KernelStateLayer):
         """Forget the last ``-tokens_to_remove`` tokens, and the summaries of the blocks they completed."""
         super().crop(tokens_to_remove)
         if self.summarized is not None and self.is_initialized:
-            complete = torch.div(self.seen - self.row_start, self.block_size, rounding_mode="floor").clamp(min=0)
+            complete = complete_blocks(self.seen, self.row_start, self.block_size, self.block_size)
             self.summarized = torch.minimum(self.summarized, complete)
             kept = int(self.summarized.max())
             numbers = torch.arange(kept, device=self.filled.device)

@@ -13,6 +13,7 @@ from zoo.variants.moba import MoBAAttention, MoBALayer
 import zoo
 from zoo.cache import GrowingLayer, cache_nbytes
 from zoo.ops import moba as moba_ops
+from zoo.ops import selection as selection_ops
 from zoo.ops import softmax_attention
 from zoo.plug.dispatch import run_variant
 from zoo.testing import make_call, reference
@@ -239,13 +240,13 @@ def test_each_block_is_summarized_once_while_decoding(monkeypatch):
 def test_decoding_step_reads_its_blocks_only(monkeypatch):
     """A decoding step gathers (top_k + 1) blocks of keys per query, not the context."""
     gathered = []
-    real_rows = moba_ops.rows_attention
+    real_rows = selection_ops.rows_attention
 
     def recording(q, k, v, allowed, call):
         gathered.append(k.shape[-2])
         return real_rows(q, k, v, allowed, call)
 
-    monkeypatch.setattr(moba_ops, "rows_attention", recording)
+    monkeypatch.setattr(selection_ops, "rows_attention", recording)
     model = tiny_llama(block=4, top_k=2)
     ids, mask = prompts(length=40)
     with torch.no_grad():

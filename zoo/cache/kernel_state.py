@@ -68,6 +68,33 @@ class KernelStateLayer(ZooCacheLayer, GrowingLayer):
         super().reset()
         self.clear_state()
 
+    def row_starts(self, row_start: torch.Tensor | None) -> torch.Tensor:
+        """(B,) long: each row's first real token (0 without left padding), on the keys' device."""
+        keys = self.keys
+        if row_start is None:
+            return keys.new_zeros(keys.shape[0], dtype=torch.long)
+        return row_start.to(keys.device)
+
     def nbytes(self) -> int:
         state = (getattr(self, name) for name in self.state_names)
         return super().nbytes() + sum(x.numel() * x.element_size() for x in state if x is not None)
+
+
+def complete_blocks(n: int, starts: torch.Tensor, block: int, stride: int) -> torch.Tensor:
+    """(B,) long: how many blocks of ``block`` tokens every ``stride`` tokens from each row's start ``starts`` (B,)
+    are complete among n tokens."""
+    return (torch.div(n - starts - block, stride, rounding_mode="floor") + 1).clamp(min=0)
+
+
+def row_blocks(x: torch.Tensor, starts: torch.Tensor, padding_mask: torch.Tensor | None, numbers: torch.Tensor,
+               block: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks ``numbers`` (J,) of each row of ``x`` (B, H, n, D), block j holding tokens ``start + j·stride`` ..
+    ``+ block - 1``: (blocks (B, H, J, block, D), real (B, J, block) bool: inside the n tokens and not padding)."""
+    batch, heads, n, dim = x.shape
+    positions = starts[:, None, None] + (numbers * stride)[None, :, None] + torch.arange(block, device=x.device)
+    real = positions < n
+    positions = positions.clamp(max=n - 1)
+    if padding_mask is not None:
+        real = real & padding_mask.bool()[torch.arange(batch, device=x.device)[:, None, None], positions]
+    index = positions.view(batch, 1, -1, 1).expand(batch, heads, -1, dim)
+    return x.gather(2, index).view(batch, heads, len(numbers), block, dim), real

@@ -16,7 +16,7 @@ Attention, O(n·(top_k + 1)·block·d) time:
   the backward recomputes each part from the merged output (as :mod:`zoo.ops.union`). Under attention dropout the
   parts run :mod:`zoo.ops.dropout`'s kernels.
 * Otherwise (padding inside the span, fewer queries than keys, CUDA, fp64): one gathered entry per query over its
-  blocks (:func:`zoo.ops.gathered_attention`).
+  blocks (:func:`zoo.ops.selection.gathered_block_attention`).
 """
 
 from __future__ import annotations
@@ -24,12 +24,16 @@ from __future__ import annotations
 import torch
 
 from zoo.call import AttentionCall
-from zoo.ops.blocked import rows_attention
 from zoo.ops.dense import pad_to_multiple
 from zoo.ops.dropout import Dropout, attention_backward, attention_forward
 from zoo.ops.flash import additive_mask, flash_available
-from zoo.ops.gathered import GATHER_CHUNK_ELEMENTS, gathered_attention
-from zoo.ops.selection import select_by_query_chunks
+from zoo.ops.selection import (
+    decode_block_attention,
+    gathered_block_attention,
+    select_by_query_chunks,
+    selected_blocks_mask,
+    top_blocks,
+)
 
 
 def masked_block_mean(blocks: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,17 +57,6 @@ def block_means(k: torch.Tensor, real: torch.Tensor | None, block: int) -> tuple
     real = pad_to_multiple(real, block, dim=-1, value=False).view(real.shape[0], 1, -1, block)
     means, counts = masked_block_mean(blocks, real)
     return means, counts > 0
-
-
-def top_blocks(scores: torch.Tensor, eligible: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``top_k`` eligible blocks of the highest gate score, ties to the earlier block.
-
-    scores (..., nb) fp32; eligible broadcastable to it. Returns (blocks (..., k') long, chosen (..., k') bool) with
-    k' = min(top_k, nb); a slot is not chosen when fewer blocks are eligible."""
-    count = min(top_k, scores.shape[-1])
-    scores = scores.masked_fill(~eligible, float("-inf"))
-    ranked, order = scores.sort(dim=-1, descending=True, stable=True)
-    return order[..., :count], ranked[..., :count] > float("-inf")
 
 
 def select_blocks(q: torch.Tensor, means: torch.Tensor, filled: torch.Tensor, own: torch.Tensor, top_k: int):
@@ -108,33 +101,7 @@ def moba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Atte
         padded = [pad_to_multiple(x, block).unflatten(-2, (-1, block)).flatten(0, 1) for x in (q, k, v)]
         out = _BlockGroupedMoBA.apply(call.scaling, picked, Dropout.of(call), *padded)
         return out.view(batch, heads, -1, out.shape[-1])[:, :, :n]
-    return _per_query_attention(q, k, v, call, block, blocks, chosen, positions)
-
-
-def _per_query_attention(q, k, v, call: AttentionCall, block: int, blocks, chosen, positions) -> torch.Tensor:
-    """One :func:`zoo.ops.gathered_attention` entry per query over its chosen blocks and its own (causal, padding)."""
-    batch, heads, count, dim = q.shape
-    n = k.shape[-2]
-    slots = blocks.shape[-1]
-    nb = -(-n // block)
-    real = call.padding_mask if call.padding_mask is not None else torch.ones(1, n, dtype=torch.bool,
-                                                                              device=q.device)
-    real = pad_to_multiple(real, block, dim=-1, value=False)
-    flat_blocks, flat_chosen = blocks.view(-1, slots), chosen.view(-1, slots)
-    within = torch.arange(block, device=q.device)
-
-    def allowed(start: int, stop: int) -> torch.Tensor:
-        entries = torch.arange(start, stop, device=q.device)
-        row = entries // (heads * count) if real.shape[0] > 1 else torch.zeros_like(entries)
-        key_pos = (flat_blocks[start:stop, :, None] * block + within).flatten(1)  # (e, R·block)
-        ok = flat_chosen[start:stop].repeat_interleave(block, -1) & real[row[:, None], key_pos]
-        return (ok & (key_pos <= positions[entries % count, None]))[:, None, :]
-
-    first_block = (torch.arange(batch * heads, device=q.device) * nb).view(batch, heads, 1, 1)
-    index = (blocks + first_block).view(-1, slots)
-    out = gathered_attention(q.reshape(-1, 1, dim), pad_to_multiple(k, block).reshape(-1, block, dim),
-                             pad_to_multiple(v, block).reshape(-1, block, v.shape[-1]), index, allowed, call)
-    return out.view(batch, heads, count, -1)
+    return gathered_block_attention(q, k, v, call, block, blocks, chosen, positions)
 
 
 class _KeyBlockGroups:
@@ -217,15 +184,8 @@ class _BlockGroupedMoBA(torch.autograd.Function):
 
 def moba_allowed(q: torch.Tensor, k: torch.Tensor, call: AttentionCall, block: int, top_k: int) -> torch.Tensor:
     """The dense (B, H, Q, n) bool mask of the keys :func:`moba_attention` reads in one row span: O(n²), tests only."""
-    n = k.shape[-2]
     blocks, chosen, positions = moba_selection(q, k, call, block, top_k)
-    nb = -(-n // block)
-    picked = torch.zeros(*blocks.shape[:-1], nb, dtype=torch.long, device=q.device)
-    picked = picked.scatter_add_(-1, blocks, chosen.long()) > 0
-    allowed = picked.repeat_interleave(block, -1)[..., :n] & (torch.arange(n, device=q.device) <= positions[:, None])
-    if call.padding_mask is not None:
-        allowed = allowed & call.padding_mask[:, None, None, :]
-    return allowed
+    return selected_blocks_mask(blocks, chosen, block, k.shape[-2], positions, call.padding_mask)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, block: int, top_k: int,
@@ -245,25 +205,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: At
     blocks, chosen = select_blocks(q, means, filled[:, None], own, top_k)
     blocks = torch.cat([blocks, own[:, None, :, None].expand(batch, heads, count, 1)], -1)
     chosen = torch.cat([chosen, torch.ones_like(blocks[..., :1], dtype=torch.bool)], -1)
-    within = torch.arange(block, device=q.device)
-    key_pos = ((blocks * block)[..., None] + within).flatten(-2) + starts[:, None, None, None]  # (B, H, Q, R·block)
-    ok = chosen.repeat_interleave(block, -1) & (key_pos <= positions[:, None]) & (key_pos < n)
-    key_pos = key_pos.clamp(max=n - 1)
-    if call.padding_mask is not None:
-        rows = torch.arange(batch, device=q.device)[:, None, None, None]
-        ok = ok & call.padding_mask[rows, key_pos]
-    b = torch.arange(batch, device=q.device)[:, None, None]
-    h = torch.arange(heads, device=q.device)[None, :, None]
-    outs = []
-    chunk = max(1, GATHER_CHUNK_ELEMENTS // (batch * heads * key_pos.shape[-1] * dim))
-    for start in range(0, count, chunk):
-        rows = slice(start, min(start + chunk, count))
-        index = key_pos[:, :, rows].flatten(-2)  # (B, H, C·K)
-        keys, values = (x[b, h, index].unflatten(2, (-1, key_pos.shape[-1])) for x in (k, v))  # (B, H, C, K, D)
-        out = rows_attention(q[:, :, rows, None, :].flatten(0, 1), keys.flatten(0, 1), values.flatten(0, 1),
-                             ok[:, :, rows, None, :].flatten(0, 1), call)
-        outs.append(out.view(batch, heads, -1, v.shape[-1]))
-    return torch.cat(outs, 2)
+    return decode_block_attention(q, k, v, call, block, blocks, chosen, starts, positions)
 
 
 def moba_flops(n: int, heads: int, head_dim: int, block: int, top_k: int) -> float:

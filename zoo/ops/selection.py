@@ -1,11 +1,19 @@
-"""Hard content-based selections (MoBA's blocks, DSA's tokens) made chunk by chunk of queries: the scores of one
-chunk exist at a time (never queries x keys), and no gradient flows through the choice."""
+"""Hard content-based selections (MoBA's and NSA's blocks, DSA's tokens) made chunk by chunk of queries: the scores
+of one chunk exist at a time (never queries x keys), and no gradient flows through the choice. Then attention over
+the chosen blocks: one gathered entry per query (:func:`gathered_block_attention`, recomputing backward), its dense
+mask for references (:func:`selected_blocks_mask`), and the decoding step over a cache of every key
+(:func:`decode_block_attention`, :func:`attention_at_positions`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
+
+from zoo.call import AttentionCall
+from zoo.ops.blocked import rows_attention
+from zoo.ops.dense import pad_to_multiple
+from zoo.ops.gathered import GATHER_CHUNK_ELEMENTS, gathered_attention
 
 # Scores per selection chunk (4 MB in fp32).
 SCORE_CHUNK_ELEMENTS = 2**20
@@ -23,3 +31,91 @@ def select_by_query_chunks(select: Callable[[slice], tuple[torch.Tensor, torch.T
             indices.append(index)
             chosen.append(ok)
     return torch.cat(indices, dim), torch.cat(chosen, dim)
+
+
+def top_blocks(scores: torch.Tensor, eligible: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``top_k`` eligible blocks of the highest score, ties to the earlier block.
+
+    scores (..., nb) fp32; eligible broadcastable to it. Returns (blocks (..., k') long, chosen (..., k') bool) with
+    k' = min(top_k, nb); a slot is not chosen when fewer blocks are eligible."""
+    count = min(top_k, scores.shape[-1])
+    scores = scores.masked_fill(~eligible, float("-inf"))
+    ranked, order = scores.sort(dim=-1, descending=True, stable=True)
+    return order[..., :count], ranked[..., :count] > float("-inf")
+
+
+def gathered_block_attention(q, k, v, call: AttentionCall, block: int, blocks, chosen, positions) -> torch.Tensor:
+    """One :func:`zoo.ops.gathered_attention` entry per query over its chosen key blocks (causal, padding).
+
+    Blocks of ``block`` keys from position 0 of one row span; q (B, H, Q, D) at ``positions`` (Q,); blocks/chosen
+    (B, H, Q, R): the blocks each query reads (a block named twice would count twice). Returns (B, H, Q, Dv)."""
+    batch, heads, count, dim = q.shape
+    n = k.shape[-2]
+    slots = blocks.shape[-1]
+    nb = -(-n // block)
+    real = call.padding_mask if call.padding_mask is not None else torch.ones(1, n, dtype=torch.bool,
+                                                                              device=q.device)
+    real = pad_to_multiple(real, block, dim=-1, value=False)
+    flat_blocks, flat_chosen = blocks.reshape(-1, slots), chosen.reshape(-1, slots)
+    within = torch.arange(block, device=q.device)
+
+    def allowed(start: int, stop: int) -> torch.Tensor:
+        entries = torch.arange(start, stop, device=q.device)
+        row = entries // (heads * count) if real.shape[0] > 1 else torch.zeros_like(entries)
+        key_pos = (flat_blocks[start:stop, :, None] * block + within).flatten(1)  # (e, R·block)
+        ok = flat_chosen[start:stop].repeat_interleave(block, -1) & real[row[:, None], key_pos]
+        return (ok & (key_pos <= positions[entries % count, None]))[:, None, :]
+
+    first_block = (torch.arange(batch * heads, device=q.device) * nb).view(batch, heads, 1, 1)
+    index = (blocks + first_block).view(-1, slots)
+    out = gathered_attention(q.reshape(-1, 1, dim), pad_to_multiple(k, block).reshape(-1, block, dim),
+                             pad_to_multiple(v, block).reshape(-1, block, v.shape[-1]), index, allowed, call)
+    return out.view(batch, heads, count, -1)
+
+
+def selected_blocks_mask(blocks: torch.Tensor, chosen: torch.Tensor, block: int, n: int, positions: torch.Tensor,
+                         padding_mask: torch.Tensor | None) -> torch.Tensor:
+    """The dense (B, H, Q, n) bool mask of the keys :func:`gathered_block_attention` reads: O(n²), tests only."""
+    nb = -(-n // block)
+    picked = torch.zeros(*blocks.shape[:-1], nb, dtype=torch.long, device=blocks.device)
+    picked = picked.scatter_add_(-1, blocks, chosen.long()) > 0
+    allowed = picked.repeat_interleave(block, -1)[..., :n] & (torch.arange(n, device=blocks.device)
+                                                              <= positions[:, None])
+    if padding_mask is not None:
+        allowed = allowed & padding_mask[:, None, None, :]
+    return allowed
+
+
+def decode_block_attention(q, k, v, call: AttentionCall, block: int, blocks, chosen, starts,
+                           positions) -> torch.Tensor:
+    """New queries (B, H, Q, D) at ``positions`` (Q,) over a cache of every key, each over its chosen blocks
+    (blocks/chosen (B, H, Q, R)) of ``block`` keys counted from its row's first real token ``starts`` (B,)."""
+    n = k.shape[-2]
+    within = torch.arange(block, device=q.device)
+    key_pos = ((blocks * block)[..., None] + within).flatten(-2) + starts[:, None, None, None]  # (B, H, Q, R·block)
+    ok = chosen.repeat_interleave(block, -1) & (key_pos <= positions[:, None]) & (key_pos < n)
+    return attention_at_positions(q, k, v, key_pos, ok, call)
+
+
+def attention_at_positions(q, k, v, key_pos: torch.Tensor, ok: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+    """Each query (B, H, Q, D) over the keys at ``key_pos`` (B, H, Q, K) where ``ok`` (and the padding mask) allow,
+    one softmax: each chunk of queries gathers its keys (about GATHER_CHUNK_ELEMENTS per chunk). For few queries
+    (decoding): no recomputing backward."""
+    batch, heads, count, dim = q.shape
+    n = k.shape[-2]
+    key_pos = key_pos.clamp(0, n - 1)
+    if call.padding_mask is not None:
+        rows = torch.arange(batch, device=q.device)[:, None, None, None]
+        ok = ok & call.padding_mask[rows, key_pos]
+    b = torch.arange(batch, device=q.device)[:, None, None]
+    h = torch.arange(heads, device=q.device)[None, :, None]
+    outs = []
+    chunk = max(1, GATHER_CHUNK_ELEMENTS // (batch * heads * key_pos.shape[-1] * dim))
+    for start in range(0, count, chunk):
+        rows = slice(start, min(start + chunk, count))
+        index = key_pos[:, :, rows].flatten(-2)  # (B, H, C·K)
+        keys, values = (x[b, h, index].unflatten(2, (-1, key_pos.shape[-1])) for x in (k, v))  # (B, H, C, K, D)
+        out = rows_attention(q[:, :, rows, None, :].flatten(0, 1), keys.flatten(0, 1), values.flatten(0, 1),
+                             ok[:, :, rows, None, :].flatten(0, 1), call)
+        outs.append(out.view(batch, heads, -1, v.shape[-1]))
+    return torch.cat(outs, 2)

@@ -1,0 +1,240 @@
+"""Native Sparse Attention (NSA, Yuan et al. 2025, arXiv 2502.11089): each query reads three key sets with a softmax
+each, and per-token gates mix the three outputs (written from the paper; no code copied).
+
+Geometry (:class:`NSABlocks`), in the coordinates of one row span (positions from the row's first real token):
+
+* compressed: blocks of l = ``compress`` tokens every d = ``stride`` tokens; block i holds tokens i·d .. i·d + l - 1
+  and is compressed by a learned map ``compress_fn`` to one key (and one value). Query t reads the compressed blocks
+  that end at or before t (a block containing a future token is never visible).
+* selection: blocks of l' = ``select`` tokens. Query t's score of selection block j is the compressed attention's
+  probability mass over the stride segments (d tokens) that block j holds: p_slc[j] = Σ_{m < l'/d} Σ_{o < l/d}
+  p_cmp[(l'/d)·j + m − o], each compressed block counted once per segment it shares with block j (the paper's
+  eq. 9, for d dividing l and l'). Scores are summed over the query heads of a KV group, so a group's heads read the
+  same blocks. The first block and the two local ones (the query's own, causal inside, and the one before) are
+  always read; the other ``top_n`` − (those) are the highest-scoring blocks at or before the own block, ties to the
+  earlier block.
+* window: the last ``window`` tokens (t − s < window).
+
+Costs: compressed scores O(n·(n/d)·d_h) chunk by chunk of queries (never n x n; each chunk recomputed in the
+backward), the selection from the same scores, the selected attention O(n·top_n·l'·d_h) as one gathered entry per
+query (:func:`zoo.ops.selection.gathered_block_attention`), the window O(n·w·d_h) on the band kernel
+(:func:`zoo.ops.band_part`). The selection is a hard choice without gradient; gradients reach q, k, v (and the
+compression map) through the three softmaxes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from zoo.call import AttentionCall
+from zoo.ops.dense import pad_to_multiple, safe_softmax, softmax_attention
+from zoo.ops.selection import (
+    SCORE_CHUNK_ELEMENTS,
+    attention_at_positions,
+    decode_block_attention,
+    gathered_block_attention,
+    select_by_query_chunks,
+    selected_blocks_mask,
+    top_blocks,
+)
+from zoo.ops.union import band_part, union_attention
+
+Compress = Callable[[torch.Tensor], torch.Tensor]  # (..., l, D) -> (..., D)
+LOCAL_BLOCKS = 2  # the paper's "2 local blocks": the query's own selection block and the one before it
+
+
+@dataclass(frozen=True)
+class NSABlocks:
+    """NSA's geometry: compression blocks of ``compress`` tokens every ``stride``, selection blocks of ``select``
+    tokens, ``top_n`` selection blocks per query (the first and the local ones included), a window of ``window``."""
+
+    compress: int
+    stride: int
+    select: int
+    top_n: int
+    window: int
+
+    def compressed_count(self, n: int) -> int:
+        """Complete compression blocks among n tokens."""
+        return 0 if n < self.compress else (n - self.compress) // self.stride + 1
+
+    def selection_count(self, n: int) -> int:
+        return -(-n // self.select)
+
+
+def compress(x: torch.Tensor, real: torch.Tensor | None, compress_fn: Compress, geometry: NSABlocks):
+    """Compressed tokens of one row span: x (B, H, n, D) -> (B, H, J, D) and ``filled`` (B|1, J) bool (the block
+    holds a real token). Padding tokens inside a block are zeroed before compression (they never leak)."""
+    count = geometry.compressed_count(x.shape[-2])
+    if real is not None:
+        x = x * real[:, None, :, None].to(x.dtype)
+    blocks = x.unfold(2, geometry.compress, geometry.stride).transpose(-1, -2)  # (B, H, J, l, D), a view
+    if real is None:
+        filled = torch.ones(1, count, dtype=torch.bool, device=x.device)
+    else:
+        filled = real.unfold(-1, geometry.compress, geometry.stride).any(-1)
+    return compress_fn(blocks[:, :, :count]), filled
+
+
+def compressed_ends(count: int, geometry: NSABlocks, device, starts: torch.Tensor | None = None) -> torch.Tensor:
+    """(B|1, J): the position of the last token of each compressed block (from each row's start ``starts``)."""
+    ends = torch.arange(count, device=device) * geometry.stride + geometry.compress - 1
+    return ends[None] if starts is None else ends[None] + starts[:, None]
+
+
+def block_scores(probs: torch.Tensor, geometry: NSABlocks, count: int) -> torch.Tensor:
+    """Selection-block scores (..., count) from compressed-attention probabilities (..., J): each compressed block's
+    probability added once per stride segment it shares with the selection block (module docstring)."""
+    covering = geometry.compress // geometry.stride  # segments of a compressed block
+    per_block = geometry.select // geometry.stride  # segments of a selection block
+    blocks = probs.shape[-1]
+    segments = probs.new_zeros(*probs.shape[:-1], max(count * per_block, blocks + covering - 1))
+    for shift in range(covering):  # segment s is held by compressed blocks s - covering + 1 .. s
+        segments[..., shift : shift + blocks] += probs
+    return segments[..., : count * per_block].unflatten(-1, (count, per_block)).sum(-1)
+
+
+def select(q: torch.Tensor, compressed_keys: torch.Tensor, visible, own: torch.Tensor, geometry: NSABlocks,
+           count: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's selection blocks, shared by the query heads of a KV group, chunk by chunk without gradient.
+
+    q (B, H, Q, D); compressed_keys (B, H_kv, J, D); ``visible(rows)`` -> (B|1, 1, C, J) bool; own (B|1, Q) long:
+    each query's own selection block; ``count`` selection blocks. Returns (blocks, chosen), each
+    (B, H_kv, Q, min(top_n, count))."""
+    batch, heads, queries, dim = q.shape
+    kv_heads, blocks = compressed_keys.shape[1], compressed_keys.shape[2]
+    numbers = torch.arange(count, device=q.device)
+
+    def one(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        grouped = q[:, :, rows].float().unflatten(1, (kv_heads, heads // kv_heads))  # (B, H_kv, G, C, D)
+        scores = torch.einsum("bkgcd,bkjd->bkgcj", grouped, compressed_keys.float()) * scale
+        probs = safe_softmax(scores.masked_fill(~visible(rows)[:, :, None], float("-inf"))).sum(2)
+        ranked = block_scores(probs, geometry, count)  # (B, H_kv, C, count)
+        mine = own[:, None, rows, None]
+        forced = (numbers == 0) | ((numbers <= mine) & (numbers > mine - LOCAL_BLOCKS))
+        return top_blocks(ranked.masked_fill(forced, float("inf")), numbers <= mine, geometry.top_n)
+
+    return select_by_query_chunks(one, queries, batch * heads * (blocks + count), 2)
+
+
+def compressed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible,
+                         call: AttentionCall) -> torch.Tensor:
+    """Softmax attention of q (B, H, Q, D) over compressed keys/values (B, H, J, D), ``visible(rows)`` deciding,
+    chunk by chunk of queries (scores (chunk, J)), each chunk recomputed in the backward; a query with no visible
+    block outputs zeros."""
+    batch, heads, queries, _ = q.shape
+    if keys.shape[-2] == 0:
+        return q.new_zeros(batch, heads, queries, values.shape[-1])
+    step = max(1, SCORE_CHUNK_ELEMENTS // (batch * heads * keys.shape[-2]))
+    grads = torch.is_grad_enabled() and any(x.requires_grad for x in (q, keys, values))
+    outs = []
+    for start in range(0, queries, step):
+        rows = slice(start, min(start + step, queries))
+        args = (q[:, :, rows], keys, values, visible(rows), call.scaling, call.effective_dropout, call.training)
+        outs.append(checkpoint(softmax_attention, *args, use_reentrant=False) if grads else softmax_attention(*args))
+    return torch.cat(outs, 2)
+
+
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall,
+                     window: int) -> torch.Tensor:
+    """Causal sliding window (t - s < window) over one row span with as many queries as keys, on the band kernel."""
+    n = k.shape[-2]
+    block = min(128, max(16, -(-(window // 2) // 16) * 16))  # longformer's query blocks
+    real = call.padding_mask if call.padding_mask is not None else q.new_ones(1, n, dtype=torch.bool)
+    padded = [pad_to_multiple(x, block) for x in (q, k, v)]
+    band = band_part(*padded, pad_to_multiple(real, block, dim=-1, value=False), window, True, block)
+    return union_attention([band], call)[..., :n, :]
+
+
+def span_parts(q, k, v, call: AttentionCall, geometry: NSABlocks, compress_k: Compress, compress_v: Compress,
+                groups: int):
+    """What both paths over one row span share: compressed keys/values (query heads), visibility, the selection
+    (query heads) and the query positions. k/v (B, H, n, D) with the KV heads repeated ``groups`` times (as the plug
+    hands them over): compression and selection run per KV head."""
+    n = k.shape[-2]
+    keys, filled = compress(k[:, ::groups], call.padding_mask, compress_k, geometry)
+    values, _ = compress(v[:, ::groups], call.padding_mask, compress_v, geometry)
+    ends = compressed_ends(keys.shape[-2], geometry, q.device)
+    positions = torch.arange(n - q.shape[-2], n, device=q.device)
+
+    def visible(rows: slice) -> torch.Tensor:
+        return ((ends[:, None, :] <= positions[rows, None]) & filled[:, None, :])[:, None]
+
+    count = geometry.selection_count(n)
+    blocks, chosen = select(q, keys, visible, (positions // geometry.select)[None], geometry, count, call.scaling)
+    blocks, chosen, keys, values = (x.repeat_interleave(groups, 1) for x in (blocks, chosen, keys, values))
+    return keys, values, visible, blocks, chosen, positions
+
+
+def nsa_branches(q, k, v, call: AttentionCall, geometry: NSABlocks, compress_k: Compress, compress_v: Compress,
+                 groups: int):
+    """(compressed, selected, window) outputs (B, H, Q, Dv) each over one row span (Q = n); ``groups`` query heads
+    per KV head (see :func:`span_parts`)."""
+    keys, values, visible, blocks, chosen, positions = span_parts(q, k, v, call, geometry, compress_k, compress_v,
+                                                                   groups)
+    return (compressed_attention(q, keys, values, visible, call),
+            gathered_block_attention(q, k, v, call, geometry.select, blocks, chosen, positions),
+            window_attention(q, k, v, call, geometry.window))
+
+
+def nsa_reference_branches(q, k, v, call: AttentionCall, geometry: NSABlocks, compress_k: Compress,
+                           compress_v: Compress, groups: int):
+    """:func:`nsa_branches` as three dense softmaxes restricted to the same compressed blocks, selected tokens and
+    window (O(n²), tests only)."""
+    keys, values, visible, blocks, chosen, positions = span_parts(q, k, v, call, geometry, compress_k, compress_v,
+                                                                   groups)
+    n = k.shape[-2]
+    selected = selected_blocks_mask(blocks, chosen, geometry.select, n, positions, call.padding_mask)
+    offset = positions[:, None] - torch.arange(n, device=q.device)
+    window = (offset >= 0) & (offset < geometry.window)
+    if call.padding_mask is not None:
+        window = window & call.padding_mask[:, None, None, :]
+    return (softmax_attention(q, keys, values, visible(slice(None)), call.scaling),
+            softmax_attention(q, k, v, selected, call.scaling),
+            softmax_attention(q, k, v, window, call.scaling))
+
+
+def nsa_decode_branches(q, k, v, call: AttentionCall, geometry: NSABlocks, keys, values, filled, starts):
+    """The three outputs of new queries (B, H, Q, D) over a cache of every key (k/v (B, H, n, D), query heads),
+    given each row's compressed keys/values (B, H_kv, J, D) and ``filled`` (B, J), blocks counted from each row's first
+    real token ``starts`` (B,): O(J·d + top_n·l'·d + w·d) per query."""
+    heads, count, n = q.shape[1], q.shape[-2], k.shape[-2]
+    groups = heads // keys.shape[1]
+    positions = call.query_positions(count, n, q.device)
+    ends = compressed_ends(keys.shape[-2], geometry, q.device, starts)
+
+    def visible(rows: slice) -> torch.Tensor:
+        return ((ends[:, None, :] <= positions[rows, None]) & filled[:, None, :])[:, None]
+
+    own = torch.div(positions[None] - starts[:, None], geometry.select, rounding_mode="floor").clamp(min=0)
+    blocks, chosen = select(q, keys, visible, own, geometry, geometry.selection_count(n), call.scaling)
+    blocks, chosen, keys, values = (x.repeat_interleave(groups, 1) for x in (blocks, chosen, keys, values))
+    key_pos = positions[:, None] - geometry.window + 1 + torch.arange(geometry.window, device=q.device)  # (Q, w)
+    in_window = (key_pos >= 0).expand(*q.shape[:2], -1, -1)
+    return (compressed_attention(q, keys, values, visible, call),
+            decode_block_attention(q, k, v, call, geometry.select, blocks, chosen, starts, positions),
+            attention_at_positions(q, k, v, key_pos.expand(*q.shape[:2], -1, -1), in_window, call))
+
+
+def mix(gates: torch.Tensor, branches) -> torch.Tensor:
+    """Σ_b g_b · o_b: gates (B, H, Q, 3) in (0, 1), branches three (B, H, Q, Dv)."""
+    out = gates[..., 0:1] * branches[0]
+    for number in (1, 2):
+        out = out + gates[..., number : number + 1] * branches[number]
+    return out
+
+
+def nsa_flops(n: int, heads: int, head_dim: int, geometry: NSABlocks) -> float:
+    """Forward FLOPs at length n (causal): compressed attention (its scores computed twice: once more to select),
+    the selected blocks (the own block causal) and the window."""
+    compressed = sum(n - (i * geometry.stride + geometry.compress - 1) for i in range(geometry.compressed_count(n)))
+    size = geometry.select
+    selected = sum(size * min(geometry.top_n, j + 1) * size - size * (size - 1) / 2
+                   for j in range(geometry.selection_count(n)))
+    w = geometry.window
+    window = n * (n + 1) / 2 if n <= w else w * (w + 1) / 2 + (n - w) * w
+    return 2.0 * heads * head_dim * (3 * compressed + 2 * selected + 2 * window)
