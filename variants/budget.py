@@ -35,7 +35,7 @@ class BudgetAttention(Variant):
         "tokens": Param(512, int, "keys kept per row and KV head, sinks and recent included", min=1, per_layer=True),
         "sinks": Param(4, int, "first real tokens of each row never evicted", min=0),
         "recent": Param(64, int, "most recent tokens never evicted", min=0),
-        "policy": Param("tova", str, f"how the other kept keys are chosen: a KV policy ({', '.join(POLICIES)} or a "
+        "policy": Param("snapkv", str, f"how the other kept keys are chosen: a KV policy ({', '.join(POLICIES)} or a "
                         "plugin's)"),
         "slack": Param(0, int, "evict once more than tokens + slack keys are held (0: after every call)", min=0),
         "window": Param(32, int, "recent queries snapkv and expected_attention score from", min=1),
