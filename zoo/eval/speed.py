@@ -7,10 +7,12 @@ median of every token gap. Cache bytes after the last turn; the process's peak R
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,8 +23,26 @@ from zoo.eval.contestants import cache_bytes, configure_for, fresh_cache, load_m
 from zoo.reporting import describe_error, max_rss_bytes
 
 
+def reset_peak_rss() -> None:
+    """Start this process's peak RSS afresh: Linux carries the parent's high-water mark across fork and exec, so
+    a process started by a large one reports the parent's peak (``echo 5 > /proc/self/clear_refs`` resets it)."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak RSS since :func:`reset_peak_rss` (``VmHWM``; elsewhere ``ru_maxrss``)."""
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return max_rss_bytes()
+
+
 def measure(setting: dict[str, Any]) -> dict[str, Any]:
     """One contestant's speed row (run in the process that measures it)."""
+    reset_peak_rss()
     torch.set_num_threads(setting.get("threads", 2))
     contestant, length = setting["contestant"], setting["length"]
     model, tokenizer = load_model(contestant.get("path", setting["model"]), setting.get("device"),
@@ -58,7 +78,7 @@ def measure(setting: dict[str, Any]) -> dict[str, Any]:
     return {"contestant": contestant["name"], "family": contestant["family"], "length": length,
             "prefill_s": result["prefill_s"], "ms_per_token": 1e3 * gaps[len(gaps) // 2],
             "round_ms": result["round_ms"], "tokens_timed": len(gaps),
-            "cache_bytes": cache_bytes(state["cache"], contestant), "peak_rss_bytes": max_rss_bytes(),
+            "cache_bytes": cache_bytes(state["cache"], contestant), "peak_rss_bytes": peak_rss_bytes(),
             "threads": setting.get("threads", 2)}
 
 
