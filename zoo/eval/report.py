@@ -56,7 +56,8 @@ def load_results(out: Path) -> dict[str, Any]:
                if (r["task"], r["length"]) in cells]  # a resumed run that dropped a task or length reports without it
     return {
         "answers": _first_ok(answers, lambda r: (r["contestant"], r["task"], r["length"])),
-        "errors": [r for r in _rows(out / "answers.jsonl") + peer if "error" in r and (r["task"], r["length"]) in cells],
+        "errors": [r for r in _rows(out / "answers.jsonl") + peer
+                   if "error" in r and (r["task"], r["length"]) in cells],
         "perplexity": _first_ok(_rows(out / "perplexity.jsonl"), lambda r: (r["contestant"], r["length"])),
         "speed": _first_ok(_rows(out / "speed.jsonl"), lambda r: (r["contestant"], r["length"])),
         "speed_errors": [r for r in _rows(out / "speed.jsonl") if "error" in r],
