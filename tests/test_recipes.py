@@ -416,7 +416,10 @@ def test_compare_exits_non_zero_after_reporting_a_failed_run(workdir, tiny_confi
 # --- shipped configs ------------------------------------------------------------------------------
 
 CONFIGS = REPO / "recipes" / "configs"
-FINETUNE_CONFIGS = sorted(p for p in CONFIGS.rglob("*.yaml") if not p.name.startswith("compare"))
+EVAL_CONFIGS = CONFIGS / "eval"  # `zoo eval` configs, checked in tests/eval
+FINETUNE_CONFIGS = sorted(
+    p for p in CONFIGS.rglob("*.yaml") if not p.name.startswith("compare") and EVAL_CONFIGS not in p.parents
+)
 COMPARE_CONFIGS = sorted(CONFIGS.glob("compare*.yaml"))
 
 

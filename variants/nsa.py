@@ -112,11 +112,12 @@ class NSAAttention(Variant):
     def check_config(self) -> None:
         stride = self.compress_stride
         for pname in ("compress_block", "select_block"):
-            if self.config[pname] % stride:
+            value = getattr(self, pname)
+            if value % stride:
                 raise VariantParameterError(
-                    f"attention-zoo variant 'nsa': {pname!r}={self.config[pname]} must be a multiple of "
+                    f"attention-zoo variant 'nsa': {pname!r}={value} must be a multiple of "
                     f"'compress_stride'={stride} (compressed blocks are scored per stride segment); e.g. "
-                    f"{pname}={max(1, self.config[pname] // stride) * stride}."
+                    f"{pname}={max(1, value // stride) * stride}."
                 )
 
     @property
