@@ -25,6 +25,7 @@ LAYERS = [
     ("zoo.training",),
     ("zoo.bench",),
     ("zoo.eval",),
+    ("zoo.retrofit",),
     ("zoo.cli", "zoo.contract", "zoo.interop", "zoo"),
 ]
 

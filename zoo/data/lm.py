@@ -9,6 +9,8 @@ dropped unless it has at least ``min_chunk_length`` tokens (then it is padded in
 from __future__ import annotations
 
 import hashlib
+import math
+from collections.abc import Sequence
 
 import datasets
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -83,3 +85,19 @@ def chunk_documents(
                 "or set min_chunk_length (a document's shorter tail is dropped otherwise)."
             )
     return chunked
+
+
+def spread_windows(books: Sequence[Sequence[int]], length: int, count: int, what: str = "a document",
+                   fix: str = "lower the count or the length") -> list[list[int]]:
+    """``count`` windows of ``length`` token ids taken in turn from each of ``books`` at evenly spaced offsets,
+    never overlapping (held-out text for perplexity, sequences for a retrofit)."""
+    picked: list[list[int]] = []
+    per_book = math.ceil(count / len(books))
+    for ids in books:
+        slots = len(ids) // length
+        if slots < per_book:
+            raise ValueError(f"{what} has {len(ids)} tokens, too few for {per_book} windows of {length}; {fix}.")
+        step = slots // per_book
+        picked += [list(ids[i * step * length : (i * step + 1) * length]) for i in range(per_book)]
+    order = [picked[b * per_book + i] for i in range(per_book) for b in range(len(books))]
+    return order[:count]

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from zoo.data.gutenberg import LM_TEST_BOOKS, build_lm
+from zoo.data.lm import spread_windows
 from zoo.eval.contestants import cache_bytes, configure_for, fresh_cache
 
 
@@ -27,17 +28,8 @@ def documents(tokenizer, length: int, count: int) -> list[list[int]]:
     """``count`` stretches of ``length`` tokens from the held-out books (:data:`~zoo.data.gutenberg.LM_TEST_BOOKS`),
     taken in turn from each book at evenly spaced offsets, never overlapping."""
     books = _book_ids(f"{tokenizer.name_or_path}:{len(tokenizer)}", tokenizer)
-    picked: list[list[int]] = []
-    per_book = math.ceil(count / len(books))
-    for ids in books:
-        slots = len(ids) // length
-        if slots < per_book:
-            raise ValueError(f"perplexity: a held-out book ({', '.join(LM_TEST_BOOKS)}) has {len(ids)} tokens, "
-                             f"too few for {per_book} documents of {length}; lower `documents` or `lengths`.")
-        step = slots // per_book
-        picked += [ids[i * step * length : (i * step + 1) * length] for i in range(per_book)]
-    order = [picked[b * per_book + i] for i in range(per_book) for b in range(len(books))]
-    return order[:count]
+    return spread_windows(books, length, count, f"perplexity: a held-out book ({', '.join(LM_TEST_BOOKS)})",
+                          "lower `documents` or `lengths`")
 
 
 @torch.no_grad()

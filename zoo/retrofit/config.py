@@ -1,0 +1,108 @@
+"""The configuration of a retrofit: one YAML file (``recipes/configs/retrofit/*.yaml``; every key below).
+
+Example::
+
+    model: smollm2                        # the bundled SmolLM2-135M-Instruct, or a folder / Hub id
+    output_dir: outputs/retrofit/smollm2_gated_deltanet
+    variant: gated_deltanet               # any causal zoo variant, plugins included
+    variant_params: {short_conv: 4}
+    data: {sequence_length: 1024, train_sequences: 16, held_out_sequences: 2}
+    transfer: {steps: 100, learning_rate: 1.0e-3, batch: 2, lora: {r: 8}}
+    layouts:                              # one model each, all from the same stage 1
+      - {name: every4, every: 4}          # full attention in layers 3, 7, 11, ...
+      - {name: selected, keep_full: 7, by: kl}
+    stage2: {max_steps: 40, max_length: 2048, learning_rate: 1.0e-4, distill_weight: 0.5, trainable: attention}
+    eval: {config: recipes/configs/eval/retrofit_cpu.yaml}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from zoo.registry import get_variant_class
+from zoo.retrofit.selection import check_layout
+from zoo.retrofit.transfer import TransferSettings
+
+DATA_KEYS = {"sequence_length", "train_sequences", "held_out_sequences"}
+STAGE2_OWN = {"processes"}  # stage2 keys the retrofit reads; every other key goes to the fine-tune (FinetuneConfig)
+
+
+class RetrofitConfigError(ValueError):
+    """A retrofit config that cannot run, with the key to fix named."""
+
+
+@dataclass
+class RetrofitConfig:
+    model: str
+    output_dir: Path
+    variant: str
+    variant_params: dict = field(default_factory=dict)
+    seed: int = 0
+    threads: int | None = None
+    layers: list[int] | None = None  # the layers to convert (default: all)
+    data: dict = field(default_factory=dict)
+    transfer: TransferSettings = field(default_factory=TransferSettings)
+    layouts: list[dict] = field(default_factory=lambda: [{"name": "selected", "keep_full": 0.25}])
+    stage2: dict | None = None
+    eval: dict | None = None
+    hub_model_id: str | None = None
+    source: dict = field(default_factory=dict)
+
+    @property
+    def entry(self) -> dict[str, Any]:
+        """The converted layers' ``hybrid`` entry."""
+        return {"variant": self.variant, "params": dict(self.variant_params)}
+
+    def data_setting(self, key: str) -> int:
+        return int(self.data.get(key, {"sequence_length": 1024, "train_sequences": 16, "held_out_sequences": 2}[key]))
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RetrofitConfig:
+    """Read and check a retrofit YAML config; ``overrides`` replace top-level keys (``output_dir`` ...)."""
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    known = {f.name for f in fields(RetrofitConfig)} - {"source"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise RetrofitConfigError(f"{path}: unknown keys {unknown}; known: {', '.join(sorted(known))}.")
+    for key in ("model", "output_dir", "variant"):
+        if key not in raw:
+            raise RetrofitConfigError(f"{path}: `{key}` is missing.")
+    variant = get_variant_class(raw["variant"])(**(raw.get("variant_params") or {}))  # checks the parameters
+    if not variant.supports_causal:
+        raise RetrofitConfigError(f"{path}: variant {raw['variant']!r} has no causal attention; a causal LM needs one.")
+    data = dict(raw.get("data") or {})
+    if set(data) - DATA_KEYS:
+        raise RetrofitConfigError(f"{path}: data has unknown keys {sorted(set(data) - DATA_KEYS)}; "
+                                  f"known: {', '.join(sorted(DATA_KEYS))}.")
+    transfer_raw = dict(raw.get("transfer") or {})
+    transfer_keys = {f.name for f in fields(TransferSettings)} - {"seed"}
+    if set(transfer_raw) - transfer_keys:
+        raise RetrofitConfigError(f"{path}: transfer has unknown keys {sorted(set(transfer_raw) - transfer_keys)}; "
+                                  f"known: {', '.join(sorted(transfer_keys))}.")
+    layouts = list(raw.get("layouts") or [{"name": "selected", "keep_full": 0.25}])
+    for number, layout in enumerate(layouts):
+        if not isinstance(layout, dict) or not layout.get("name"):
+            raise RetrofitConfigError(f"{path}: layouts[{number}] needs a name, e.g. {{name: every4, every: 4}}.")
+        check_layout(layout, f"{path}: layouts[{number}]")
+    names = [layout["name"] for layout in layouts]
+    if len(set(names)) != len(names):
+        raise RetrofitConfigError(f"{path}: layout names {names} repeat; give each a distinct name.")
+    stage2 = raw.get("stage2")
+    if stage2 is not None and "model_name_or_path" in stage2:
+        raise RetrofitConfigError(f"{path}: stage2 takes its model from stage 1; drop stage2.model_name_or_path.")
+    evaluation = raw.get("eval")
+    if evaluation is not None and "config" not in evaluation:
+        raise RetrofitConfigError(f"{path}: eval needs `config: EVAL_YAML` (a zoo eval config; the retrofitted "
+                                  "models join its contestants).")
+    return RetrofitConfig(
+        model=str(raw["model"]), output_dir=Path(raw["output_dir"]), variant=raw["variant"],
+        variant_params=dict(raw.get("variant_params") or {}), seed=int(raw.get("seed", 0)),
+        threads=raw.get("threads"), layers=raw.get("layers"), data=data,
+        transfer=TransferSettings(**transfer_raw, seed=int(raw.get("seed", 0))), layouts=layouts,
+        stage2=stage2, eval=evaluation, hub_model_id=raw.get("hub_model_id"), source=raw,
+    )

@@ -1,0 +1,136 @@
+"""What a retrofit writes for reading: the transfer map (a table and a plot of each layer's error before and after
+transfer and its swap KL), ``results.md`` (the layouts, their held-out KL and perplexity, the tokens and minutes of each
+stage, the ``zoo eval`` rows), and per layout a Hub-ready folder: ``retrofit.json`` and a model card naming
+``base_model``, the variant per layer and the transfer map."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import ModelCard, ModelCardData
+
+
+def transfer_table(done: dict) -> str:
+    lines = ["| layer | error before | error after | after / before | swap KL | trained parameters | seconds |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in done["layers"]:
+        ratio = row["error_after"] / row["error_before"] if row["error_before"] else float("nan")
+        lines.append(f"| {row['layer']} | {row['error_before']:.3g} | {row['error_after']:.3g} | {ratio:.3f} | "
+                     f"{row['swap_kl']:.4f} | {row['trained_parameters']:,} | {row['seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+def write_transfer_map(done: dict, folder: Path) -> None:
+    """``transfer_map.md`` and ``transfer_map.png`` beside ``transfer_map.json``."""
+    seconds = done["seconds"]
+    head = (f"# Transfer map: {done['variant']['variant']} {done['variant']['params']}\n\n"
+            f"Normalized output error (MSE / teacher variance) on {done['held_out_tokens']:,} held-out tokens, "
+            f"before and after transfer; swap KL: mean per-token KL of the next-token distribution from the "
+            f"original's with only that layer converted (original held-out perplexity "
+            f"{done['original_held_out_perplexity']:.2f}). Transfer tokens {done['tokens']:,}; capture "
+            f"{seconds['capture']:.0f} s, transfer {seconds['transfer']:.0f} s, swap KL {seconds['swap_kl']:.0f} s on "
+            f"{done['threads']} threads; peak RSS {done['peak_rss_mb']:.0f} MB; activations on disk "
+            f"{done['activations_disk_bytes'] / 2**20:.0f} MB.\n\n")
+    (folder / "transfer_map.md").write_text(head + transfer_table(done) + "\n")
+    plot_transfer_map(done, folder / "transfer_map.png")
+
+
+def plot_transfer_map(done: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = [row["layer"] for row in done["layers"]]
+    figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
+    top.semilogy(layers, [row["error_before"] for row in done["layers"]], "o-", label="before transfer")
+    top.semilogy(layers, [row["error_after"] for row in done["layers"]], "o-", label="after transfer")
+    top.set_ylabel("normalized output error")
+    top.legend()
+    bottom.bar(layers, [row["swap_kl"] for row in done["layers"]], color="tab:red")
+    bottom.set_ylabel("swap KL (nats / token)")
+    bottom.set_xlabel("layer")
+    top.set_title(f"{done['variant']['variant']}: attention transfer per layer")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def eval_rows(summary: dict) -> list[dict]:
+    """The ``zoo eval`` headline rows of the run (none without an eval)."""
+    folder = summary.get("eval_folder")
+    path = Path(folder) / "results.json" if folder else None
+    if path is None or not path.is_file():
+        return []
+    return json.loads(path.read_text())["headline"]
+
+
+def layouts_table(summary: dict) -> str:
+    lines = ["| layout | full-attention layers | converted | held-out KL (stage 1) | held-out ppl (stage 1) | "
+             "stage 1 tokens | stage 2 tokens | stage 2 min |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for record in summary["layouts"]:
+        two = record.get("stage2") or {}
+        tokens = f"{two['tokens']:,}" if two.get("tokens") else "–"
+        minutes = f"{two['seconds'] / 60:.1f}" if two.get("seconds") else "–"
+        lines.append(f"| {record['name']} | {record['kept_full']} | {len(record['converted'])} | "
+                     f"{record['stage1']['held_out_kl']:.3f} | {record['stage1']['held_out_perplexity']:.2f} | "
+                     f"{record['stage1']['tokens']:,} | {tokens} | {minutes} |")
+    return "\n".join(lines)
+
+
+def eval_table(rows: list[dict]) -> str:
+    if not rows:
+        return "(no zoo eval in this run)"
+    lengths = sorted({int(k[4:]) for row in rows for k in row if k.startswith("avg_")})
+    head = "| contestant | " + " | ".join(f"avg {n}" for n in lengths) + " | score [95% CI] | cache bytes |"
+    lines = [head, "|---|" + "---:|" * (len(lengths) + 2)]
+    for row in rows:
+        cells = " | ".join(f"{row[f'avg_{n}']:.2f}" if row.get(f"avg_{n}") is not None else "–" for n in lengths)
+        cache = f"{row['cache_bytes']:,}" if row.get("cache_bytes") else "–"
+        lines.append(f"| {row['contestant']} | {cells} | {row['score']:.2f} [{row['low']:.2f}, {row['high']:.2f}] "
+                     f"| {cache} |")
+    return "\n".join(lines)
+
+
+def write_summary(summary: dict, out: Path) -> None:
+    done = summary["stage1"]
+    text = (f"# Retrofit of {summary['base_model']} with {summary['variant']['variant']}\n\n"
+            f"Wall time {summary['seconds'] / 60:.1f} min.\n\n## Layouts\n\n{layouts_table(summary)}\n\n"
+            f"## zoo eval\n\n{eval_table(eval_rows(summary))}\n\n## Transfer map\n\n{transfer_table(done)}\n")
+    (out / "results.md").write_text(text)
+
+
+def write_model_folder(summary: dict, record: dict) -> None:
+    """``retrofit.json`` and ``README.md`` (the card) in the layout's final model folder."""
+    folder = Path(record["model_folder"])
+    own = {"base_model": summary["base_model"], "variant": summary["variant"], "layout": record,
+           "transfer_map": summary["stage1"]}
+    (folder / "retrofit.json").write_text(json.dumps(own, indent=2, default=str) + "\n")
+    name = f"retrofit {record['name']}"
+    rows = [row for row in eval_rows(summary) if row["contestant"] in (name, "full cache")]
+    tags = ["attention-zoo", "retrofit", summary["variant"]["variant"]]
+    data = ModelCardData(base_model=_hub_base(summary["base_model"]), library_name="transformers",
+                         pipeline_tag="text-generation", tags=tags)
+    body = (f"# {folder.name}: {summary['base_model']} retrofitted with `{summary['variant']['variant']}`\n\n"
+            f"Full attention (sdpa) in layers {record['kept_full']}; `{summary['variant']['variant']}` "
+            f"{summary['variant']['params']} in the other {len(record['converted'])}. Made with attention-zoo's "
+            "retrofit recipe: attention transfer per layer (stage 1"
+            + (", then fine-tuning with distillation, stage 2" if record.get("stage2") else "") + ").\n\n"
+            "```python\nimport zoo, transformers\n"
+            f"model = transformers.AutoModelForCausalLM.from_pretrained({str(folder)!r})\n```\n\n"
+            f"## Layout\n\n{layouts_table({**summary, 'layouts': [record]})}\n\n"
+            f"## zoo eval\n\n{eval_table(rows)}\n\n## Transfer map\n\n{transfer_table(summary['stage1'])}\n")
+    ModelCard(f"---\n{data.to_yaml()}\n---\n{body}").save(folder / "README.md")
+
+
+def _hub_base(name: str) -> str:
+    return {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}.get(name, name)
+
+
+def describe(summary: dict[str, Any]) -> str:
+    """One line per layout for the console."""
+    return "\n".join(f"{r['name']}: full attention in {len(r['kept_full'])} layers, held-out KL "
+                     f"{r['stage1']['held_out_kl']:.3f}, ppl {r['stage1']['held_out_perplexity']:.2f} -> "
+                     f"{r['model_folder']}" for r in summary["layouts"])

@@ -1,0 +1,133 @@
+"""Stage 1, attention transfer (LoLCATs, Zhang et al. 2024): each converted layer's attention module, now running the
+variant on its own (frozen) q/k/v projections, is trained to reproduce that layer's original output on the same
+inputs (:mod:`zoo.retrofit.capture`). Only the variant's learned weights (``<attention>.attention_zoo``) train, plus
+LoRA adapters on the q/k/v projections when asked (peft, merged into the projections afterwards). Layers are
+independent: each trains from the original model's activations, so the order does not matter.
+
+The loss and the reported error are the same number: the mean squared error over the teacher output's variance
+(:func:`normalized_error`; 1.0 is what predicting the mean output scores, 0 is exact). The comparison is on the
+module's output (after the output projection: what the residual stream receives).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import get_cosine_schedule_with_warmup
+
+from zoo.plug.weights import WEIGHTS_NAME
+from zoo.retrofit.capture import Captured
+
+# The input projections of the attention modules of the families the zoo supports (Llama, Qwen2, Mistral: q/k/v_proj;
+# GPT-2: the fused c_attn; BERT: query/key/value; Phi-3: qkv_proj; ModernBERT: Wqkv).
+PROJECTION_NAMES = ("q_proj", "k_proj", "v_proj", "c_attn", "query", "key", "value", "qkv_proj", "Wqkv")
+
+
+@dataclass
+class TransferSettings:
+    """How one layer is trained: ``steps`` Adam steps of ``batch`` captured sequences, cosine schedule with 10 %
+    warm-up; ``lora``: ``{r, alpha, targets}`` adapters on the input projections (None: the variant's weights only)."""
+
+    steps: int = 100
+    learning_rate: float = 1e-3
+    batch: int = 2
+    lora: dict | None = None
+    seed: int = 0
+    eval_batch: int = 1
+
+
+def normalized_error(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """Mean squared error over the teacher's variance (all elements): scale-free, 1.0 for the mean's prediction."""
+    teacher = teacher.float()
+    return (student.float() - teacher).pow(2).mean() / teacher.var(correction=0).clamp_min(1e-12)
+
+
+@torch.no_grad()
+def held_out_error(module: torch.nn.Module, captured: Captured, layer: int, rows: Sequence[int],
+                   batch: int = 1) -> float:
+    """:func:`normalized_error` of ``module`` on the captured ``rows``, pooled over all of them."""
+    module.eval()
+    squared = total = total_sq = 0.0
+    count = 0
+    for start in range(0, len(rows), batch):
+        inputs, teacher = captured.batch(layer, rows[start : start + batch])
+        student = captured.call(module, layer, inputs).float()
+        squared += float((student - teacher).pow(2).sum())
+        total += float(teacher.sum())
+        total_sq += float(teacher.pow(2).sum())
+        count += teacher.numel()
+    variance = total_sq / count - (total / count) ** 2
+    return squared / count / max(variance, 1e-12)
+
+
+def projection_names(module: torch.nn.Module, wanted: Sequence[str] | None = None) -> list[str]:
+    """The input projections of ``module`` LoRA adapts: ``wanted`` (checked), else those of :data:`PROJECTION_NAMES`."""
+    children = dict(module.named_children())
+    if wanted:
+        unknown = sorted(set(wanted) - set(children))
+        if unknown:
+            raise ValueError(f"retrofit: transfer.lora.targets {unknown} are not submodules of "
+                             f"{type(module).__name__}; its submodules: {', '.join(children)}.")
+        return list(wanted)
+    found = [name for name in PROJECTION_NAMES if name in children]
+    if not found:
+        raise ValueError(f"retrofit: no q/k/v projection found in {type(module).__name__} (submodules: "
+                         f"{', '.join(children)}); name them in transfer.lora.targets.")
+    return found
+
+
+def variant_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    weights = module._modules.get(WEIGHTS_NAME)
+    return list(weights.parameters()) if weights is not None else []
+
+
+def with_lora(module: torch.nn.Module, lora: dict):
+    """Wrap ``module``'s input projections with LoRA adapters (peft's ``LoraModel`` on the module itself); returns the
+    tuner, whose ``merge_and_unload()`` folds them back into plain projections."""
+    import peft
+
+    config = peft.LoraConfig(r=int(lora.get("r", 8)), lora_alpha=float(lora.get("alpha", 2 * int(lora.get("r", 8)))),
+                             target_modules=projection_names(module, lora.get("targets")), lora_dropout=0.0)
+    return peft.LoraModel(module, config, "default")
+
+
+def train_layer(module: torch.nn.Module, captured: Captured, layer: int, train_rows: Sequence[int],
+                held_out_rows: Sequence[int], settings: TransferSettings) -> dict:
+    """Train one converted attention module to reproduce its layer's captured outputs; returns the layer's line of
+    the transfer map (held-out error before and after, parameters trained, steps, tokens, seconds)."""
+    started = time.perf_counter()
+    before = held_out_error(module, captured, layer, held_out_rows, settings.eval_batch)
+    for parameter in module.parameters():
+        parameter.requires_grad_(False)
+    tuner = with_lora(module, settings.lora) if settings.lora else None
+    trained = variant_parameters(module) + [p for n, p in module.named_parameters() if "lora_" in n]
+    steps = settings.steps if trained and settings.steps > 0 else 0
+    if steps:
+        for parameter in trained:
+            parameter.requires_grad_(True)
+        optimizer = torch.optim.AdamW(trained, lr=settings.learning_rate, weight_decay=0.0)
+        schedule = get_cosine_schedule_with_warmup(optimizer, max(1, steps // 10), steps)
+        generator = torch.Generator().manual_seed(settings.seed * 100_003 + layer)
+        module.train()
+        for _ in range(steps):
+            pick = torch.randint(len(train_rows), (settings.batch,), generator=generator).tolist()
+            inputs, teacher = captured.batch(layer, [train_rows[i] for i in pick])
+            loss = normalized_error(captured.call(module, layer, inputs), teacher)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(trained, 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+        module.eval()
+    count = sum(p.numel() for p in trained)
+    if tuner is not None:
+        tuner.merge_and_unload()
+    for parameter in module.parameters():
+        parameter.requires_grad_(False)
+    after = held_out_error(module, captured, layer, held_out_rows, settings.eval_batch) if steps else before
+    return {"layer": layer, "error_before": before, "error_after": after, "trained_parameters": count,
+            "steps": steps, "tokens": steps * settings.batch * captured.length,
+            "seconds": time.perf_counter() - started}
