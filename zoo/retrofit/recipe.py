@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
 from zoo.data.gutenberg import build_lm
 from zoo.data.lm import spread_windows
@@ -177,6 +178,9 @@ def stage2(cfg: RetrofitConfig, record: dict) -> Path:
     if settings.get("distill_weight", 0) > 0:
         settings.setdefault("distill_from", base_model_path(cfg.model))
     path = cfg.output_dir / record["name"] / "stage2.yaml"
+    if (out / "results.json").is_file() and path.is_file() and yaml.safe_load(path.read_text()) == settings:
+        logger.info("retrofit: stage 2 of %s read back from %s", record["name"], out)
+        return read_stage2(record, out, settings, None)
     path.write_text(yaml.safe_dump(settings, sort_keys=False))
     processes = int(cfg.stage2.get("processes", 1))
     command = [sys.executable, "-m", "zoo.training.finetune", str(path)]
@@ -184,13 +188,20 @@ def stage2(cfg: RetrofitConfig, record: dict) -> Path:
         command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
                    str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                    "-m", "zoo.training.finetune", str(path)]
+    if out.is_dir():
+        command += ["--overwrite_output_dir", "true"]  # an unfinished or differently set stage 2: run again
     started = time.perf_counter()
     subprocess.run(command, check=True)
-    state = json.loads((out / "trainer_state.json").read_text()) if (out / "trainer_state.json").is_file() else {}
-    results = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else {}
-    record["stage2"] = {"folder": str(out), "seconds": time.perf_counter() - started, "processes": processes,
-                        "tokens": state.get("num_input_tokens_seen"), "settings": settings,
-                        "held_out_perplexity": (results.get("metrics") or {}).get("eval_perplexity")}
+    return read_stage2(record, out, settings, time.perf_counter() - started)
+
+
+def read_stage2(record: dict, out: Path, settings: dict, seconds: float | None) -> Path:
+    """Fill ``record["stage2"]`` from a finished fine-tune's folder (``seconds``: None when read back)."""
+    results = json.loads((out / "results.json").read_text())
+    state = json.loads((out / "trainer_state.json").read_text())
+    record["stage2"] = {"folder": str(out), "seconds": results.get("wall_time_seconds", seconds),
+                        "processes": results.get("num_processes"), "tokens": state.get("num_input_tokens_seen"),
+                        "settings": settings, "test_perplexity": (results.get("metrics") or {}).get("eval_perplexity")}
     return out
 
 
@@ -231,6 +242,9 @@ def run(cfg: RetrofitConfig, stages: tuple[str, ...] = ("stage1", "stage2", "eva
         folder = Path(record["stage1"]["folder"])
         if cfg.stage2 is not None and "stage2" in stages:
             folder = stage2(cfg, record)
+            tuned = AutoModelForCausalLM.from_pretrained(folder)
+            record["stage2"].update({f"held_out_{k}": v for k, v in divergence(tuned, held_out, teacher).items()})
+            del tuned
         record["model_folder"] = str(folder)
     summary = {"base_model": cfg.model, "variant": cfg.entry, "config": cfg.source, "stage1": done,
                "layouts": records}

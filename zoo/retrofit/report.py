@@ -68,15 +68,16 @@ def eval_rows(summary: dict) -> list[dict]:
 
 
 def layouts_table(summary: dict) -> str:
-    lines = ["| layout | full-attention layers | converted | held-out KL (stage 1) | held-out ppl (stage 1) | "
+    lines = ["| layout | full-attention layers | converted | held-out KL / ppl, stage 1 | stage 2 | "
              "stage 1 tokens | stage 2 tokens | stage 2 min |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for record in summary["layouts"]:
-        two = record.get("stage2") or {}
+        one, two = record["stage1"], record.get("stage2") or {}
+        after = f"{two['held_out_kl']:.3f} / {two['held_out_perplexity']:.2f}" if "held_out_kl" in two else "–"
         tokens = f"{two['tokens']:,}" if two.get("tokens") else "–"
         minutes = f"{two['seconds'] / 60:.1f}" if two.get("seconds") else "–"
         lines.append(f"| {record['name']} | {record['kept_full']} | {len(record['converted'])} | "
-                     f"{record['stage1']['held_out_kl']:.3f} | {record['stage1']['held_out_perplexity']:.2f} | "
-                     f"{record['stage1']['tokens']:,} | {tokens} | {minutes} |")
+                     f"{one['held_out_kl']:.3f} / {one['held_out_perplexity']:.2f} | {after} | "
+                     f"{one['tokens']:,} | {tokens} | {minutes} |")
     return "\n".join(lines)
 
 

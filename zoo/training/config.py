@@ -112,6 +112,12 @@ class FinetuneConfig:
         default=False,
         metadata={"help": "resume a checkpoint's weights with a fresh optimizer, scheduler and step 0 (not exact)"},
     )
+    # --- what trains, and distillation (zoo/training/distill.py)
+    trainable: str = field(default="all", metadata={"help": "all | attention | variant (its learned weights only)"})
+    lora: dict | str | None = field(default=None, metadata={"help": "peft LoraConfig keys (r, target_modules, ...)"})
+    distill_from: str | None = field(default=None, metadata={"help": "LM tasks: a teacher model (path or Hub id)"})
+    distill_weight: float = field(default=0.5, metadata={"help": "loss = (1 - w) LM + w KL(teacher || model)"})
+    distill_temperature: float = field(default=1.0, metadata={"help": "softmax temperature of the distillation"})
     # --- language modelling: a greedy sample of a held-out passage and the decode speed
     generate_new_tokens: int = field(default=64, metadata={"help": "LM tasks: tokens generated (0: no sample)"})
     generate_prompt_tokens: int | None = field(
@@ -123,7 +129,7 @@ class FinetuneConfig:
     hub_private: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("task_options", "model_config", "variant_params", "training_args"):
+        for name in ("task_options", "model_config", "variant_params", "training_args", "lora"):
             setattr(self, name, as_dict(name, getattr(self, name)))
         if isinstance(self.resume_from_checkpoint, str) and self.resume_from_checkpoint.lower() in ("true", "latest"):
             self.resume_from_checkpoint = True
@@ -140,6 +146,7 @@ MINIMUM = {
     "gradient_accumulation_steps": 1, "eval_steps": 1, "save_steps": 1, "save_total_limit": 1, "logging_steps": 1,
     "dataloader_num_workers": 0, "generate_new_tokens": 0, "generate_prompt_tokens": 1,
 }  # fmt: skip
+TRAINABLE = ("all", "attention", "variant")  # zoo/training/distill.py: select_trainable
 CHOICES = {"eval_strategy": ("no", "steps", "epoch"), "save_strategy": ("no", "steps", "epoch")}
 
 
@@ -300,6 +307,7 @@ def check_config(cfg: FinetuneConfig) -> ResolvedRun:
     if cfg.resume_weights_only and not cfg.resume_from_checkpoint:
         raise ValueError("resume_weights_only is true but resume_from_checkpoint is not set; name the checkpoint.")
     resolved = resolve(cfg)
+    check_training_keys(cfg, resolved.task.trains_causal_lm)
     if resolved.task.trains_causal_lm:
         check_lm_config(cfg, resolved.variant)
     if cfg.push_to_hub and not cfg.hub_model_id:
@@ -329,6 +337,25 @@ def check_lm_config(cfg: FinetuneConfig, variant: Variant) -> None:
             f"generate_prompt_tokens={prompt} must lie in [1, max_length - generate_new_tokens] so that the prompt "
             "and the new tokens fit in the positions the model was trained on."
         )
+
+
+def check_training_keys(cfg: FinetuneConfig, causal_lm: bool) -> None:
+    """Refuse combinations of ``trainable``, ``lora`` and ``distill_*`` that cannot run (before any model loads)."""
+    if cfg.trainable not in TRAINABLE:
+        raise ValueError(f"config key 'trainable' must be one of {', '.join(TRAINABLE)}; got {cfg.trainable!r}.")
+    if cfg.lora and cfg.trainable == "all":
+        raise ValueError("lora with trainable: all would train every weight besides the adapters; set trainable: "
+                         "variant (the variant's weights and the adapters) or attention.")
+    if cfg.lora and cfg.resume_weights_only:
+        raise ValueError("resume_weights_only cannot restore LoRA adapters (they are not weights of the base model); "
+                         "resume exactly (resume_from_checkpoint alone) or start again.")
+    if not 0 <= cfg.distill_weight <= 1:
+        raise ValueError(f"config key 'distill_weight' must lie in [0, 1]; got {cfg.distill_weight}.")
+    if cfg.distill_temperature <= 0:
+        raise ValueError(f"config key 'distill_temperature' must be above 0; got {cfg.distill_temperature}.")
+    if cfg.distill_from and not causal_lm:
+        raise ValueError(f"distill_from distils next-token distributions: task {cfg.task!r} does not train a causal "
+                         "language model; drop distill_from or use an LM task (gutenberg_lm, brown_lm).")
 
 
 def check_output_dir(cfg: FinetuneConfig) -> None:

@@ -38,6 +38,7 @@ from zoo.training.config import (
     resolve,
     resolve_pretrained,
 )
+from zoo.training.distill import DistillingTrainer, load_teacher, merge_lora, select_trainable
 from zoo.training.kinds import KINDS, TaskKind, kind_of
 from zoo.training.results import (
     JsonlLog,
@@ -213,9 +214,16 @@ def train(run: ResolvedRun, plan: ResumePlan, started: float) -> dict | None:
         tokenizer = load_tokenizer(run, kind, model_path, dataset)
         examples = kind.prepare(cfg, dataset, tokenizer)
     model = build_model(run, kind, plan.weights or model_path, tokenizer, label_names)  # weights only: the checkpoint's
+    select_trainable(model, cfg.trainable, cfg.lora)
     computer, collator = kind.metrics(cfg, examples[cfg.eval_split]), kind.collator(tokenizer)
     throughput, parameter_count = Throughput(), distributed.ParameterCount()
-    trainer = Trainer(
+    trainer_class, distill = Trainer, {}
+    if cfg.distill_from:
+        trainer_class = DistillingTrainer
+        distill = {"teacher": load_teacher(resolve_pretrained(cfg.distill_from)[0], model),
+                   "weight": cfg.distill_weight, "temperature": cfg.distill_temperature}
+    trainer = trainer_class(
+        **distill,
         model=model,
         args=args,
         train_dataset=examples["train"],
@@ -238,6 +246,8 @@ def train(run: ResolvedRun, plan: ResumePlan, started: float) -> dict | None:
     launch = distributed.describe(trainer, parameter_count)
     if kind.causal_lm:
         model.config.use_cache = True  # saved for generation
+    if cfg.lora:
+        merge_lora(trainer.model)
     trainer.save_model(cfg.output_dir)
     trainer.save_state()
     results = None
