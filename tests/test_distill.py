@@ -5,13 +5,14 @@ distillation from the original and saves a plain model (adapters merged, the fro
 
 import copy
 import json
+import shutil
 
 import pytest
 import torch
 import transformers
 import yaml
 from safetensors.torch import load_file
-from test_lm import TINY_LM, env, run_recipe, workdir  # noqa: F401  (module fixtures)
+from test_lm import ACCELERATE, TINY_LM, env, run_recipe, workdir  # noqa: F401  (module fixtures)
 
 from zoo.plug.install import configure
 from zoo.training import finetune as train
@@ -124,17 +125,26 @@ def pretrained(workdir, env):  # noqa: F811
     return workdir / "teacher"
 
 
-def test_distilled_retrofit_saves_a_plain_model_with_only_the_attention_changed(pretrained, workdir, env):  # noqa: F811
+STUDENT = {**TINY_LM, "model_config": None, "variant": "gated_deltanet", "variant_params": {"short_conv": 4},
+           "generate_new_tokens": 0, "trainable": "variant", "distill_weight": 1.0, "max_steps": 8,
+           "logging_steps": 2, "save_strategy": "steps", "save_steps": 4,
+           "lora": {"r": 4, "target_modules": ["q_proj", "k_proj", "v_proj"]}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def student(pretrained, workdir, env):  # noqa: F811
+    """The pretrained decoder with gated_deltanet swapped in, its weights and LoRA trained by distillation alone."""
     out = workdir / "student"
     config = workdir / "student.yaml"
-    settings = {**TINY_LM, "model_config": None, "model_name_or_path": str(pretrained), "output_dir": str(out),
-                "variant": "gated_deltanet", "variant_params": {"short_conv": 4}, "generate_new_tokens": 0,
-                "trainable": "variant", "lora": {"r": 4, "target_modules": ["q_proj", "k_proj", "v_proj"]},
-                "distill_from": str(pretrained), "distill_weight": 1.0, "max_steps": 8, "logging_steps": 2}
-    config.write_text(yaml.safe_dump(settings))
+    config.write_text(yaml.safe_dump({**STUDENT, "model_name_or_path": str(pretrained), "output_dir": str(out),
+                                      "distill_from": str(pretrained)}))  # fmt: skip
     run_recipe(config, env)
-    logs = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
-    kl = [row["distill_kl"] for row in logs if "distill_kl" in row]
+    return config, out
+
+
+def test_distilled_retrofit_saves_a_plain_model_with_only_the_attention_changed(pretrained, student):
+    _, out = student
+    kl = logged_kl(out)
     assert len(kl) == 4 and all(value >= 0 for value in kl)
     assert kl[-1] < kl[0]  # the student moves toward the teacher
     saved, original = load_file(out / "model.safetensors"), load_file(pretrained / "model.safetensors")
@@ -143,5 +153,37 @@ def test_distilled_retrofit_saves_a_plain_model_with_only_the_attention_changed(
     for name, tensor in original.items():
         changed = not torch.equal(saved[name], tensor)
         assert changed == any(f"self_attn.{p}_proj" in name for p in "qkv"), name  # LoRA merged; the rest frozen
+    checkpoint = load_file(out / "checkpoint-4" / "model.safetensors")
+    assert any("lora_A" in name for name in checkpoint)  # checkpoints hold the adapters: a resume is exact
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert not any("lora_" in name for name, _ in model.named_parameters())
+
+
+def logged_kl(folder):
+    return [row["distill_kl"] for row in map(json.loads, (folder / "train_log.jsonl").read_text().splitlines())
+            if "distill_kl" in row]  # fmt: skip
+
+
+def test_a_resumed_distillation_matches_the_uninterrupted_one(student, workdir, env):  # noqa: F811
+    config, out = student
+    resumed = workdir / "student_resumed"
+    resumed.mkdir()
+    shutil.copytree(out / "checkpoint-4", resumed / "checkpoint-4")
+    run_recipe(config, env, "--output_dir", resumed, "--resume_from_checkpoint", "true")
+    weights, reference = load_file(resumed / "model.safetensors"), load_file(out / "model.safetensors")
+    assert weights.keys() == reference.keys()
+    assert all(torch.allclose(weights[name], reference[name], atol=1e-6) for name in reference)
+    assert logged_kl(resumed) == pytest.approx(logged_kl(out)[2:], rel=1e-5)  # the logs of steps 6 and 8
+
+
+@pytest.mark.slow
+def test_distillation_under_two_ddp_processes(pretrained, workdir, env):  # noqa: F811
+    out = workdir / "student_ddp"
+    config = workdir / "student_ddp.yaml"
+    config.write_text(yaml.safe_dump({**STUDENT, "model_name_or_path": str(pretrained), "output_dir": str(out),
+                                      "distill_from": str(pretrained), "max_steps": 2, "save_strategy": "no"}))
+    run_recipe(config, env, launcher=ACCELERATE / "multi_cpu.yaml")
+    record = json.loads((out / "results.json").read_text())
+    assert record["num_processes"] == 2 and record["distributed_type"] == "DDP"
+    assert [value > 0 for value in logged_kl(out)] == [True]
+    assert not [name for name in load_file(out / "model.safetensors") if "lora_" in name]

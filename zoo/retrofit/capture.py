@@ -56,17 +56,14 @@ class Captured:
     def call(self, module: torch.nn.Module, layer: int, hidden_states: torch.Tensor) -> torch.Tensor:
         """``module``'s output on ``hidden_states``, called with the other arguments the model gave ``layer``."""
         args, kwargs = self.call_args[layer]
-        return first_output(module(hidden_states.to(_dtype_of(module)), *args, **kwargs))
+        reference = next(module.parameters())
+        return first_output(module(hidden_states.to(reference.device, reference.dtype), *args, **kwargs))
 
     def delete(self) -> None:
         """Free the disk (the arrays are closed first)."""
         self.inputs.clear()
         self.outputs.clear()
         shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def _dtype_of(module: torch.nn.Module) -> torch.dtype:
-    return next(module.parameters()).dtype
 
 
 def _kept(value: Any) -> Any:

@@ -26,8 +26,10 @@ import yaml
 from zoo.registry import get_variant_class
 from zoo.retrofit.selection import check_layout
 from zoo.retrofit.transfer import TransferSettings
+from zoo.training.config import FinetuneConfig
 
 DATA_KEYS = {"sequence_length", "train_sequences", "held_out_sequences"}
+STAGE1_DECIDES = {"model_name_or_path", "model_config", "variant", "variant_params", "output_dir"}
 STAGE2_OWN = {"processes"}  # stage2 keys the retrofit reads; every other key goes to the fine-tune (FinetuneConfig)
 
 
@@ -43,6 +45,8 @@ class RetrofitConfig:
     variant_params: dict = field(default_factory=dict)
     seed: int = 0
     threads: int | None = None
+    device: str | None = None  # where stage 1 runs (default CPU; "cuda"); stage 2 runs where accelerate puts it
+    dtype: str | None = None  # the model's dtype while converting (default the checkpoint's; float32 for SmolLM2)
     layers: list[int] | None = None  # the layers to convert (default: all)
     data: dict = field(default_factory=dict)
     transfer: TransferSettings = field(default_factory=TransferSettings)
@@ -61,6 +65,21 @@ class RetrofitConfig:
         return int(self.data.get(key, {"sequence_length": 1024, "train_sequences": 16, "held_out_sequences": 2}[key]))
 
 
+def check_stage2(stage2: dict, path: str | Path) -> None:
+    """The stage2 block: keys of the fine-tune (:class:`~zoo.training.config.FinetuneConfig`) and ``processes``;
+    what stage 1 decides (the model, the variant, the output folder) is refused."""
+    if not isinstance(stage2, dict):
+        raise RetrofitConfigError(f"{path}: stage2 must be a mapping of fine-tune keys, e.g. {{max_steps: 40}}.")
+    decided = sorted(set(stage2) & STAGE1_DECIDES)
+    if decided:
+        raise RetrofitConfigError(f"{path}: stage2 sets {decided}, which stage 1 decides; drop them.")
+    known = {f.name for f in fields(FinetuneConfig)} | STAGE2_OWN
+    unknown = sorted(set(stage2) - known)
+    if unknown:
+        raise RetrofitConfigError(f"{path}: stage2 has keys {unknown} that are not fine-tune keys "
+                                  "(docs/recipes/finetune.md lists them) nor `processes`.")
+
+
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RetrofitConfig:
     """Read and check a retrofit YAML config; ``overrides`` replace top-level keys (``output_dir`` ...)."""
     raw = yaml.safe_load(Path(path).read_text()) or {}
@@ -72,7 +91,10 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Re
     for key in ("model", "output_dir", "variant"):
         if key not in raw:
             raise RetrofitConfigError(f"{path}: `{key}` is missing.")
-    variant = get_variant_class(raw["variant"])(**(raw.get("variant_params") or {}))  # checks the parameters
+    try:
+        variant = get_variant_class(raw["variant"])(**(raw.get("variant_params") or {}))  # checks the parameters
+    except (KeyError, ValueError) as exc:
+        raise RetrofitConfigError(f"{path}: variant {raw['variant']!r}: {exc}") from exc
     if not variant.supports_causal:
         raise RetrofitConfigError(f"{path}: variant {raw['variant']!r} has no causal attention; a causal LM needs one.")
     data = dict(raw.get("data") or {})
@@ -88,13 +110,16 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Re
     for number, layout in enumerate(layouts):
         if not isinstance(layout, dict) or not layout.get("name"):
             raise RetrofitConfigError(f"{path}: layouts[{number}] needs a name, e.g. {{name: every4, every: 4}}.")
-        check_layout(layout, f"{path}: layouts[{number}]")
+        try:
+            check_layout(layout, f"{path}: layouts[{number}]")
+        except ValueError as exc:
+            raise RetrofitConfigError(str(exc)) from exc
     names = [layout["name"] for layout in layouts]
     if len(set(names)) != len(names):
         raise RetrofitConfigError(f"{path}: layout names {names} repeat; give each a distinct name.")
     stage2 = raw.get("stage2")
-    if stage2 is not None and "model_name_or_path" in stage2:
-        raise RetrofitConfigError(f"{path}: stage2 takes its model from stage 1; drop stage2.model_name_or_path.")
+    if stage2 is not None:
+        check_stage2(stage2, path)
     evaluation = raw.get("eval")
     if evaluation is not None and "config" not in evaluation:
         raise RetrofitConfigError(f"{path}: eval needs `config: EVAL_YAML` (a zoo eval config; the retrofitted "
@@ -102,7 +127,8 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Re
     return RetrofitConfig(
         model=str(raw["model"]), output_dir=Path(raw["output_dir"]), variant=raw["variant"],
         variant_params=dict(raw.get("variant_params") or {}), seed=int(raw.get("seed", 0)),
-        threads=raw.get("threads"), layers=raw.get("layers"), data=data,
+        threads=raw.get("threads"), device=raw.get("device"), dtype=raw.get("dtype"), layers=raw.get("layers"),
+        data=data,
         transfer=TransferSettings(**transfer_raw, seed=int(raw.get("seed", 0))), layouts=layouts,
         stage2=stage2, eval=evaluation, hub_model_id=raw.get("hub_model_id"), source=raw,
     )

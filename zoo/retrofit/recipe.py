@@ -159,6 +159,7 @@ def build_layout(cfg: RetrofitConfig, layout: dict, model, tokenizer, stage: dic
     kept = kept_layers(layout, count, {i: r["swap_kl"] for i, r in rows.items()},
                        {i: r["error_after"] for i, r in rows.items()})
     converted = [i for i in sorted(rows) if i not in kept]
+    kept = [i for i in range(count) if i not in converted]  # with `layers` set, the layers never converted too
     layers = apply_layout(model, converted, cfg.entry, transferred, original)
     score = divergence(model, held_out, teacher)
     folder = cfg.output_dir / layout["name"] / "stage1"
@@ -230,7 +231,7 @@ def run(cfg: RetrofitConfig, stages: tuple[str, ...] = ("stage1", "stage2", "eva
         torch.set_num_threads(int(cfg.threads))
     torch.manual_seed(cfg.seed)
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_model(cfg.model)
+    model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     done, transferred, original = stage1(cfg, model, tokenizer)
     stage = {"map": done, "transferred": transferred, "original": original}
     held_out = book_sequences(tokenizer, "validation", done["sequence_length"], cfg.data_setting("held_out_sequences"))
@@ -242,7 +243,7 @@ def run(cfg: RetrofitConfig, stages: tuple[str, ...] = ("stage1", "stage2", "eva
         folder = Path(record["stage1"]["folder"])
         if cfg.stage2 is not None and "stage2" in stages:
             folder = stage2(cfg, record)
-            tuned = AutoModelForCausalLM.from_pretrained(folder)
+            tuned = AutoModelForCausalLM.from_pretrained(folder).to(cfg.device or "cpu")
             record["stage2"].update({f"held_out_{k}": v for k, v in divergence(tuned, held_out, teacher).items()})
             del tuned
         record["model_folder"] = str(folder)

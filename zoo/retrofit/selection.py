@@ -98,8 +98,12 @@ def check_layout(layout: Mapping[str, Any], where: str) -> None:
         raise ValueError(f"retrofit: {where}: by={layout['by']!r}; use 'kl' (swap KL) or 'error' (transfer error).")
     if "every" in layout and (not isinstance(layout["every"], int) or layout["every"] < 1):
         raise ValueError(f"retrofit: {where}: every={layout['every']!r} must be a positive integer (4: one in 4 kept).")
+    if "offset" in layout and ("every" not in layout or not isinstance(layout["offset"], int)
+                               or not 0 <= layout["offset"] < layout["every"]):
+        raise ValueError(f"retrofit: {where}: offset={layout['offset']!r} goes with every and lies in [0, every) "
+                         "(every: 4, offset: 3 keeps layers 3, 7, 11, ...).")
     keep_full = layout.get("keep_full", 0)
-    count_ok = isinstance(keep_full, int) and keep_full >= 0
+    count_ok = isinstance(keep_full, int) and not isinstance(keep_full, bool) and keep_full >= 0
     if not count_ok and not (isinstance(keep_full, float) and 0 <= keep_full < 1):
         raise ValueError(f"retrofit: {where}: keep_full={keep_full!r} must be a count (7) or a fraction in [0, 1).")
 
@@ -118,12 +122,12 @@ def kept_layers(layout: Mapping[str, Any], count: int, kl: Mapping[int, float] |
         offset = int(layout.get("offset", every - 1))
         return [i for i in range(count) if i % every == offset]
     keep_full = layout.get("keep_full", 0)
-    number = round(keep_full * count) if isinstance(keep_full, float) else int(keep_full)
-    if number > count:
-        raise ValueError(f"retrofit: keep_full={number} is more than the model's {count} layers.")
+    number = math.floor(keep_full * count + 0.5) if isinstance(keep_full, float) else int(keep_full)
     by = layout.get("by", "kl")
-    scores = kl if by == "kl" else error
+    scores = (kl if by == "kl" else error) or {}
     if number and not scores:
         raise ValueError(f"retrofit: keep_full by {by} needs the {by} of every layer (stage 1 measures them).")
-    ranked = sorted(range(count), key=lambda i: -scores.get(i, math.inf)) if number else []
+    if number > len(scores):
+        raise ValueError(f"retrofit: keep_full={number} is more than the {len(scores)} layers stage 1 converted.")
+    ranked = sorted(scores, key=lambda i: -scores[i])  # among the layers stage 1 converted: the others stay full
     return sorted(ranked[:number])

@@ -54,7 +54,7 @@ def held_out_error(module: torch.nn.Module, captured: Captured, layer: int, rows
     count = 0
     for start in range(0, len(rows), batch):
         inputs, teacher = captured.batch(layer, rows[start : start + batch])
-        student = captured.call(module, layer, inputs).float()
+        student = captured.call(module, layer, inputs).float().cpu()
         squared += float((student - teacher).pow(2).sum())
         total += float(teacher.sum())
         total_sq += float(teacher.pow(2).sum())
@@ -115,7 +115,8 @@ def train_layer(module: torch.nn.Module, captured: Captured, layer: int, train_r
         for _ in range(steps):
             pick = torch.randint(len(train_rows), (settings.batch,), generator=generator).tolist()
             inputs, teacher = captured.batch(layer, [train_rows[i] for i in pick])
-            loss = normalized_error(captured.call(module, layer, inputs), teacher)
+            student = captured.call(module, layer, inputs)
+            loss = normalized_error(student, teacher.to(student.device))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trained, 1.0)
             optimizer.step()
