@@ -42,6 +42,7 @@ from zoo.retrofit.selection import (
     kept_layers,
     next_token_logprobs,
     swap_kl,
+    without_attention_dropout,
 )
 from zoo.retrofit.transfer import train_layer
 
@@ -84,6 +85,7 @@ def stage1(cfg: RetrofitConfig, model, tokenizer) -> tuple[dict, dict, dict]:
     """``(transfer map, transferred states, original states)``; the model is left as the original (zoo sdpa)."""
     folder = cfg.output_dir / "stage1"
     map_path, states_path = folder / "transfer_map.json", folder / "transferred.safetensors"
+    without_attention_dropout(model)
     configure(model, "sdpa")  # the original attention, through the zoo: the kwargs captured suit every layer
     for parameter in model.parameters():
         parameter.requires_grad_(False)

@@ -18,9 +18,24 @@ import torch
 
 from zoo.plug.install import configure
 from zoo.plug.weights import attention_modules
+from zoo.training.finetune import ATTENTION_DROPOUT_KEYS
 
 KEEP = "sdpa"  # what a kept layer runs: torch's SDPA, the original attention
 LAYOUT_KEYS = {"name", "keep_full", "by", "every", "offset", "keep"}
+
+
+def without_attention_dropout(model) -> None:
+    """Set the config's attention dropout to 0 (GPT-2's ``attn_pdrop`` is 0.1): the transfer compares outputs in
+    eval mode, and a variant without dropout support is refused while the config asks for dropout."""
+    for key in ATTENTION_DROPOUT_KEYS:
+        if getattr(model.config, key, None):
+            setattr(model.config, key, 0.0)
+    for _, _, module in attention_modules(model):  # what the modules read at init (Llama's float, GPT-2's Dropout)
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+        for inner in module.modules():
+            if isinstance(inner, torch.nn.Dropout):
+                inner.p = 0.0
 
 
 def hybrid_layers(count: int, converted: Iterable[int], entry: dict[str, Any]) -> list:
