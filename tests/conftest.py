@@ -8,6 +8,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -33,3 +35,26 @@ def install_plugin_fixture(source: Path, package: str) -> Path:
 PLUGIN_TARGET = install_plugin_fixture(PLUGIN_SRC, "zoo_chunked_plugin")
 sys.path.insert(0, str(PLUGIN_TARGET))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGIN_TARGET), os.environ.get("PYTHONPATH")]))
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm2_llama(tmp_path_factory):
+    """A factory: a tiny random Llama (hidden 64, ``layers`` layers) with SmolLM2's tokenizer, saved to a folder."""
+    import torch
+    import transformers
+
+    from zoo.data.pretrained import smollm2_folder
+
+    def make(layers: int = 2, max_positions: int = 4096) -> Path:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_folder())
+        config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=max_positions, tie_word_embeddings=True)
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config).eval()
+        folder = tmp_path_factory.mktemp("tiny") / "model"
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        return folder
+
+    return make

@@ -10,15 +10,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 import transformers
 import yaml
-from transformers import AutoTokenizer
 
 import zoo
 from zoo.data import DataUnavailableError
 from zoo.data.gutenberg import build_lm
-from zoo.data.pretrained import smollm2_folder
 from zoo.retrofit import recipe
 from zoo.retrofit.config import load_config
 
@@ -26,21 +23,12 @@ LAYERS = 4
 
 
 @pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
+def tiny_folder(tiny_smollm2_llama):
     try:
         build_lm()
     except DataUnavailableError as exc:
         pytest.skip(f"corpus not available here: {exc}")
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_folder())
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=1024, tie_word_embeddings=True)  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    folder = tmp_path_factory.mktemp("tiny") / "model"
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return tiny_smollm2_llama(layers=LAYERS, max_positions=1024)
 
 
 @pytest.fixture(scope="module")

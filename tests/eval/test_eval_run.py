@@ -14,7 +14,6 @@ import transformers
 import yaml
 from transformers import AutoTokenizer
 
-from zoo.data.pretrained import smollm2_folder
 from zoo.eval.cli import main
 from zoo.eval.config import EvalConfigError, expand_contestants, load_config
 from zoo.eval.perplexity import documents, token_losses
@@ -24,17 +23,8 @@ from zoo.eval.scoring import summarize
 
 
 @pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_folder())
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=4096, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    folder = tmp_path_factory.mktemp("tiny") / "model"
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+def tiny_folder(tiny_smollm2_llama):
+    return tiny_smollm2_llama(layers=2, max_positions=4096)
 
 
 def write_config(path, folder, out, **changes):
