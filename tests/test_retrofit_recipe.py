@@ -80,7 +80,7 @@ def test_layouts_follow_their_rule_and_reload_as_hybrids(retrofit_run):
         folder = record["model_folder"]
         model = transformers.AutoModelForCausalLM.from_pretrained(folder)
         layers = zoo.variant_spec(model.config)["params"]["layers"]
-        assert [i for i, layer in enumerate(layers) if layer == "sdpa"] == record["kept_full"]
+        assert [i for i, layer in enumerate(layers) if layer["variant"] == "sdpa"] == record["kept_full"]
         assert all(layers[i]["variant"] == "gated_deltanet" for i in record["converted"])
         two = record["stage2"]
         assert two["tokens"] == 2 * 2 * 64 and two["held_out_kl"] >= 0 and two["seconds"] > 0
