@@ -18,6 +18,7 @@ from zoo.data import DataUnavailableError
 from zoo.data.gutenberg import build_lm
 from zoo.retrofit import recipe
 from zoo.retrofit.config import load_config
+from zoo.retrofit.report import stage2_curve
 
 LAYERS = 4
 
@@ -49,7 +50,7 @@ def retrofit_run(tiny_folder, tmp_path_factory):
         "layouts": [{"name": "every2", "every": 2}, {"name": "selected", "keep_full": 2, "by": "kl"}],
         "stage2": {"max_length": 64, "max_steps": 2, "max_eval_examples": 2, "per_device_train_batch_size": 2,
                    "per_device_eval_batch_size": 2, "distill_weight": 0.5, "trainable": "attention",
-                   "logging_steps": 1, "disable_tqdm": True},
+                   "logging_steps": 1, "disable_tqdm": True, "eval_strategy": "steps", "eval_steps": 1},
         "eval": {"config": str(evaluation)},
     }))  # fmt: skip
     return config, recipe.run(load_config(config))
@@ -67,6 +68,7 @@ def test_stage1_lowers_every_layers_error_and_measures_its_swap_kl(retrofit_run)
     assert done["activations_disk_bytes"] == 2 * LAYERS * 8 * 64 * 64 * 4
     for name in ("transfer_map.md", "transfer_map.png", "transferred.safetensors"):
         assert (out / "stage1" / name).is_file(), name
+    assert (out / "stage2_curves.png").is_file() and "stage2_curves.png" in (out / "results.md").read_text()
     assert not list(out.glob("_activations*"))  # the captured activations are deleted
 
 
@@ -84,6 +86,7 @@ def test_layouts_follow_their_rule_and_reload_as_hybrids(retrofit_run):
         assert all(layers[i]["variant"] == "gated_deltanet" for i in record["converted"])
         two = record["stage2"]
         assert two["tokens"] == 2 * 2 * 64 and two["held_out_kl"] >= 0 and two["seconds"] > 0
+        assert [tokens for tokens, _ in stage2_curve(record)] == [128, 256]  # validation at each step
         own = json.loads((Path(folder) / "retrofit.json").read_text())
         assert own["layout"]["kept_full"] == record["kept_full"]
         card = (Path(folder) / "README.md").read_text()

@@ -95,10 +95,49 @@ def eval_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def stage2_curve(record: dict) -> list[tuple[int, float]]:
+    """``(tokens, validation perplexity)`` of a layout's stage 2, from its training log (the log's last evaluation is
+    the final one on the test split, left out)."""
+    log = Path((record.get("stage2") or {}).get("folder", "")) / "train_log.jsonl"
+    if not log.is_file():
+        return []
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    evaluations = [row for row in rows if "eval_perplexity" in row][:-1]
+    return [(int(row["num_input_tokens_seen"]), float(row["eval_perplexity"])) for row in evaluations]
+
+
+def plot_stage2_curves(summary: dict, path: Path) -> bool:
+    """Validation perplexity against stage-2 tokens, one line per layout; False when no layout has a curve."""
+    curves = {record["name"]: stage2_curve(record) for record in summary["layouts"]}
+    if not any(len(curve) > 1 for curve in curves.values()):
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    for name, curve in curves.items():
+        if curve:
+            axes.plot([t for t, _ in curve], [p for _, p in curve], "o-", label=name)
+    axes.set_xscale("log")
+    axes.set_yscale("log")
+    axes.set_xlabel("stage-2 tokens")
+    axes.set_ylabel("validation perplexity")
+    axes.set_title(f"{summary['variant']['variant']}: stage 2 (original: "
+                   f"{summary['stage1']['original_held_out_perplexity']:.1f} on the held-out windows)")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
 def write_summary(summary: dict, out: Path) -> None:
     done = summary["stage1"]
+    curves = "![stage 2](stage2_curves.png)\n\n" if plot_stage2_curves(summary, out / "stage2_curves.png") else ""
     text = (f"# Retrofit of {summary['base_model']} with {summary['variant']['variant']}\n\n"
-            f"Wall time {summary['seconds'] / 60:.1f} min.\n\n## Layouts\n\n{layouts_table(summary)}\n\n"
+            f"Wall time {summary['seconds'] / 60:.1f} min.\n\n## Layouts\n\n{layouts_table(summary)}\n\n{curves}"
             f"## zoo eval\n\n{eval_table(eval_rows(summary))}\n\n## Transfer map\n\n{transfer_table(done)}\n")
     (out / "results.md").write_text(text)
 
