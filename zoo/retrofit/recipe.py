@@ -29,6 +29,8 @@ from transformers import AutoModelForCausalLM
 
 from zoo.data.gutenberg import build_lm
 from zoo.data.lm import spread_windows
+from zoo.data.pretrained import smollm2_folder
+from zoo.eval.contestants import load_model
 from zoo.plug.install import configure
 from zoo.plug.weights import attention_modules
 from zoo.retrofit import report
@@ -55,8 +57,6 @@ DEFAULT_STAGE2 = {"task": "gutenberg_lm", "max_length": 2048, "max_steps": 40, "
 def base_model_path(name: str) -> str:
     """A path or Hub id ``from_pretrained`` reads for the config's ``model`` (``smollm2``: its converted folder)."""
     if name == "smollm2":
-        from zoo.data.pretrained import smollm2_folder
-
         return str(smollm2_folder())
     return name
 
@@ -226,8 +226,6 @@ def evaluate(cfg: RetrofitConfig, records: list[dict]) -> Path:
 
 def run(cfg: RetrofitConfig, stages: tuple[str, ...] = ("stage1", "stage2", "eval")) -> dict[str, Any]:
     """Every stage; returns the run's summary (also ``output_dir/retrofit.json``)."""
-    from zoo.eval.contestants import load_model
-
     started = time.perf_counter()
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
