@@ -133,11 +133,19 @@ def plot_stage2_curves(summary: dict, path: Path) -> bool:
     return True
 
 
+def stage_minutes(summary: dict) -> str:
+    """The minutes each stage took when it ran, and this invocation's (finished stages are read back)."""
+    one = sum(summary["stage1"]["seconds"].values()) / 60
+    two = sum((record.get("stage2") or {}).get("seconds") or 0 for record in summary["layouts"]) / 60
+    return (f"Stage 1: {one:.1f} min; stage 2: {two:.1f} min over {len(summary['layouts'])} layouts; this "
+            f"invocation (finished stages read back): {summary['seconds'] / 60:.1f} min.")
+
+
 def write_summary(summary: dict, out: Path) -> None:
     done = summary["stage1"]
     curves = "![stage 2](stage2_curves.png)\n\n" if plot_stage2_curves(summary, out / "stage2_curves.png") else ""
     text = (f"# Retrofit of {summary['base_model']} with {summary['variant']['variant']}\n\n"
-            f"Wall time {summary['seconds'] / 60:.1f} min.\n\n## Layouts\n\n{layouts_table(summary)}\n\n{curves}"
+            f"{stage_minutes(summary)}\n\n## Layouts\n\n{layouts_table(summary)}\n\n{curves}"
             f"## zoo eval\n\n{eval_table(eval_rows(summary))}\n\n## Transfer map\n\n{transfer_table(done)}\n")
     (out / "results.md").write_text(text)
 
