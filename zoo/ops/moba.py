@@ -13,8 +13,8 @@ Attention, O(n·(top_k + 1)·block·d) time:
 * CPU, a span without padding (the common case): grouped by key block, as the paper's kernel does. Each chosen key
   block runs one flash call with the queries that chose it (gathered: O(n·k·d), the keys are read in place), the own
   blocks one blocked causal call; the parts merge through their log-sum-exps (one softmax, exact joint gradient) and
-  the backward recomputes each part from the merged output (as :mod:`zoo.ops.union`). Under attention dropout the
-  parts run :mod:`zoo.ops.dropout`'s kernels.
+  the backward recomputes each part from the merged output (:func:`zoo.ops.block_grouped.block_grouped_attention`,
+  shared with NSA). Under attention dropout the parts run :mod:`zoo.ops.dropout`'s kernels.
 * Otherwise (padding inside the span, fewer queries than keys, CUDA, fp64): one gathered entry per query over its
   blocks (:func:`zoo.ops.selection.gathered_block_attention`).
 """
@@ -24,9 +24,10 @@ from __future__ import annotations
 import torch
 
 from zoo.call import AttentionCall
+from zoo.ops.block_grouped import block_grouped_attention
 from zoo.ops.dense import pad_to_multiple
-from zoo.ops.dropout import Dropout, attention_backward, attention_forward
-from zoo.ops.flash import additive_mask, flash_available
+from zoo.ops.dropout import Dropout
+from zoo.ops.flash import flash_available
 from zoo.ops.selection import (
     decode_block_attention,
     gathered_block_attention,
@@ -91,95 +92,16 @@ def moba_selection(q: torch.Tensor, k: torch.Tensor, call: AttentionCall, block:
     return blocks, chosen, positions
 
 
-def moba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, block: int,
-                   top_k: int) -> torch.Tensor:
+def moba_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, block: int, top_k: int
+) -> torch.Tensor:
     """(B, H, Q, Dv): causal MoBA over one row span (see :func:`moba_selection`)."""
     blocks, chosen, positions = moba_selection(q, k, call, block, top_k)
     if flash_available(q) and call.padding_mask is None and q.shape[-2] == k.shape[-2]:
-        batch, heads, n, _ = q.shape
-        picked = _by_key_block(blocks[..., :-1], chosen[..., :-1], -(-n // block))
-        padded = [pad_to_multiple(x, block).unflatten(-2, (-1, block)).flatten(0, 1) for x in (q, k, v)]
-        out = _BlockGroupedMoBA.apply(call.scaling, picked, Dropout.of(call), *padded)
-        return out.view(batch, heads, -1, out.shape[-1])[:, :, :n]
+        return block_grouped_attention(
+            q, k, v, blocks[..., :-1], chosen[..., :-1], block, call.scaling, Dropout.of(call)
+        )
     return gathered_block_attention(q, k, v, call, block, blocks, chosen, positions)
-
-
-class _KeyBlockGroups:
-    """The (query, slot) pairs of each (row·head, key block): ``keys`` (G,) the flat key block p·nb + j of each
-    non-empty group, ``rows``/``queries``/``slots`` (pairs,) sorted by group, ``bounds`` (G + 1,) offsets."""
-
-    def __init__(self, rows, queries, slots, keys, bounds, slot_count):
-        self.rows, self.queries, self.slots, self.keys, self.bounds = rows, queries, slots, keys, bounds
-        self.slot_count = slot_count
-
-    def groups(self):
-        """(group number, flat key block, slice of the pairs) per non-empty group."""
-        bounds = self.bounds.tolist()
-        for number, key in enumerate(self.keys.tolist()):
-            yield number, key, slice(bounds[number], bounds[number + 1])
-
-
-def _by_key_block(blocks: torch.Tensor, chosen: torch.Tensor, nb: int) -> _KeyBlockGroups:
-    """Group the chosen (query, slot) pairs of blocks/chosen (B, H, Q, k) by (row·head, key block)."""
-    flat_blocks, flat_chosen = blocks.flatten(0, 1), chosen.flatten(0, 1)
-    rows, queries, slots = flat_chosen.nonzero(as_tuple=True)
-    keys = rows * nb + flat_blocks[rows, queries, slots]
-    order = keys.argsort(stable=True)
-    rows, queries, slots, keys = rows[order], queries[order], slots[order], keys[order]
-    distinct, counts = torch.unique_consecutive(keys, return_counts=True)
-    bounds = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-    return _KeyBlockGroups(rows, queries, slots, distinct, bounds, blocks.shape[-1])
-
-
-class _BlockGroupedMoBA(torch.autograd.Function):
-    """q/k/v (P, nb, block, D) (P = rows·heads): own blocks causal in one flash call, each chosen key block with the
-    queries that chose it in one call each; merged by log-sum-exp; the backward recomputes every part."""
-
-    @staticmethod
-    def forward(ctx, scale, picked: _KeyBlockGroups, dropout: Dropout, q, k, v):
-        parts, nb, block, _ = q.shape
-        causal = additive_mask(torch.ones(block, block, dtype=torch.bool, device=q.device).tril(), q.dtype)
-        own_out, own_lse = attention_forward(q, k, v, causal, scale, dropout.child(0))
-        flat_q = q.view(parts, nb * block, q.shape[-1])
-        count = flat_q.shape[1]
-        outs = own_out.new_zeros(parts, count, picked.slot_count + 1, v.shape[-1])
-        lses = own_lse.new_full((parts, count, picked.slot_count + 1), float("-inf"))
-        outs[:, :, -1] = own_out.reshape(parts, count, -1)
-        lses[:, :, -1] = own_lse.reshape(parts, count)
-        for number, key, pairs in picked.groups():
-            row, rows = key // nb, picked.queries[pairs]
-            out, lse = attention_forward(flat_q[row, rows][None, None], k[row, key % nb][None, None],
-                                         v[row, key % nb][None, None], None, scale, dropout.child(1, number))
-            outs[row, rows, picked.slots[pairs]] = out[0, 0]
-            lses[row, rows, picked.slots[pairs]] = lse[0, 0]
-        total = torch.logsumexp(lses, -1)
-        merged = (outs * torch.exp(lses - total[..., None])[..., None].to(outs.dtype)).sum(2)
-        ctx.scale, ctx.picked, ctx.dropout = scale, picked, dropout
-        ctx.save_for_backward(q, k, v, merged, total)
-        return merged
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, merged, total = ctx.saved_tensors
-        picked, scale = ctx.picked, ctx.scale
-        parts, nb, block, _ = q.shape
-        causal = additive_mask(torch.ones(block, block, dtype=torch.bool, device=q.device).tril(), q.dtype)
-        grad = grad.contiguous()
-        grad_q, grad_k, grad_v = attention_backward(
-            grad.view_as(q), q, k, v, merged.view(*q.shape[:3], -1), total.view(q.shape[:3]), causal, scale,
-            ctx.dropout.child(0))
-        grad_q, grad_k, grad_v = (x.contiguous() for x in (grad_q, grad_k, grad_v))
-        flat_q, flat_grad_q = q.view(parts, nb * block, -1), grad_q.view(parts, nb * block, -1)
-        for number, key, pairs in picked.groups():
-            row, rows = key // nb, picked.queries[pairs]
-            gq, gk, gv = attention_backward(
-                grad[row, rows][None, None], flat_q[row, rows][None, None], k[row, key % nb][None, None],
-                v[row, key % nb][None, None], merged[row, rows][None, None], total[row, rows][None, None], None,
-                scale, ctx.dropout.child(1, number))
-            flat_grad_q[row].index_add_(0, rows, gq[0, 0])
-            grad_k[row, key % nb] += gk[0, 0]
-            grad_v[row, key % nb] += gv[0, 0]
-        return None, None, None, grad_q, grad_k, grad_v
 
 
 def moba_allowed(q: torch.Tensor, k: torch.Tensor, call: AttentionCall, block: int, top_k: int) -> torch.Tensor:
@@ -188,8 +110,16 @@ def moba_allowed(q: torch.Tensor, k: torch.Tensor, call: AttentionCall, block: i
     return selected_blocks_mask(blocks, chosen, block, k.shape[-2], positions, call.padding_mask)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, block: int, top_k: int,
-                     means: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    call: AttentionCall,
+    block: int,
+    top_k: int,
+    means: torch.Tensor,
+    filled: torch.Tensor,
+) -> torch.Tensor:
     """New queries over a cache of every key: (B, H, Q, Dv). Blocks count from each row's first real token
     (``call.row_start``); ``means`` (B, H, J, D) fp32 and ``filled`` (B, J) bool summarize each row's complete
     blocks (the decoding cache keeps them), so a step costs O(J·d + (k + 1)·block·d), not O(n·d).
@@ -215,4 +145,3 @@ def moba_flops(n: int, heads: int, head_dim: int, block: int, top_k: int) -> flo
     gate = 2.0 * heads * head_dim * n * (nb - 1) / 2
     keys = sum(min(top_k, j) for j in range(nb)) * block * block + n * (block + 1) / 2
     return gate + 4.0 * heads * head_dim * keys
-

@@ -31,7 +31,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from zoo.call import AttentionCall
+from zoo.ops.block_grouped import block_grouped_attention
 from zoo.ops.dense import pad_to_multiple, safe_softmax, softmax_attention
+from zoo.ops.dropout import Dropout, attention_backward, attention_forward
+from zoo.ops.flash import additive_mask, flash_available
 from zoo.ops.selection import (
     SCORE_CHUNK_ELEMENTS,
     attention_at_positions,
@@ -44,6 +47,7 @@ from zoo.ops.selection import (
 from zoo.ops.union import band_part, union_attention
 
 Compress = Callable[[torch.Tensor], torch.Tensor]  # (..., l, D) -> (..., D)
+QUERY_CHUNK = 256  # queries per flash call of the compressed branch: each reads the blocks up to its last visible one
 LOCAL_BLOCKS = 2  # the paper's "2 local blocks": the query's own selection block and the one before it
 
 
@@ -98,8 +102,15 @@ def block_scores(probs: torch.Tensor, geometry: NSABlocks, count: int) -> torch.
     return segments[..., : count * per_block].unflatten(-1, (count, per_block)).sum(-1)
 
 
-def select(q: torch.Tensor, compressed_keys: torch.Tensor, visible, own: torch.Tensor, geometry: NSABlocks,
-           count: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def select(
+    q: torch.Tensor,
+    compressed_keys: torch.Tensor,
+    visible,
+    own: torch.Tensor,
+    geometry: NSABlocks,
+    count: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query's selection blocks, shared by the query heads of a KV group, chunk by chunk without gradient.
 
     q (B, H, Q, D); compressed_keys (B, H_kv, J, D); ``visible(rows)`` -> (B|1, 1, C, J) bool; own (B|1, Q) long:
@@ -121,14 +132,19 @@ def select(q: torch.Tensor, compressed_keys: torch.Tensor, visible, own: torch.T
     return select_by_query_chunks(one, queries, batch * heads * (blocks + count), 2)
 
 
-def compressed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible,
-                         call: AttentionCall) -> torch.Tensor:
+def compressed_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible, call: AttentionCall
+) -> torch.Tensor:
     """Softmax attention of q (B, H, Q, D) over compressed keys/values (B, H, J, D), ``visible(rows)`` deciding,
-    chunk by chunk of queries (scores (chunk, J)), each chunk recomputed in the backward; a query with no visible
-    block outputs zeros."""
+    chunk by chunk of queries (a (chunk, J) mask at a time), each chunk recomputed in the backward; a query with no
+    visible block outputs zeros. On CPU the chunks run the flash kernels."""
     batch, heads, queries, _ = q.shape
     if keys.shape[-2] == 0:
         return q.new_zeros(batch, heads, queries, values.shape[-1])
+    if flash_available(q):
+        step = max(1, min(QUERY_CHUNK, SCORE_CHUNK_ELEMENTS // keys.shape[-2]))
+        chunks = [slice(start, min(start + step, queries)) for start in range(0, queries, step)]
+        return _ChunkedFlash.apply(call.scaling, chunks, visible, Dropout.of(call), q, keys, values)
     step = max(1, SCORE_CHUNK_ELEMENTS // (batch * heads * keys.shape[-2]))
     grads = torch.is_grad_enabled() and any(x.requires_grad for x in (q, keys, values))
     outs = []
@@ -139,8 +155,62 @@ def compressed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     return torch.cat(outs, 2)
 
 
-def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall,
-                     window: int) -> torch.Tensor:
+class _ChunkedFlash(torch.autograd.Function):
+    """q (B, H, Q, D) over keys/values (B, H, J, D) by chunks of queries on the flash kernels, each chunk over the
+    keys up to its last visible one; a chunk's additive mask is made from ``visible(rows)`` when the chunk runs
+    (forward and backward), never for all queries."""
+
+    @staticmethod
+    def forward(ctx, scale, chunks, visible, dropout: Dropout, q, keys, values):
+        out = q.new_zeros(*q.shape[:-1], values.shape[-1])
+        lse = torch.zeros(q.shape[:-1], dtype=torch.float32, device=q.device)
+        for number, rows in enumerate(chunks):
+            width, mask = _visible_prefix(visible(rows), q.dtype)
+            if width:
+                out[:, :, rows], lse[:, :, rows] = attention_forward(
+                    q[:, :, rows], keys[:, :, :width], values[:, :, :width], mask, scale, dropout.child(number)
+                )
+        ctx.scale, ctx.chunks, ctx.visible, ctx.dropout = scale, chunks, visible, dropout
+        ctx.save_for_backward(q, keys, values, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, keys, values, out, lse = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_q = torch.zeros_like(q)
+        grad_k, grad_v = torch.zeros_like(keys), torch.zeros_like(values)
+        for number, rows in enumerate(ctx.chunks):
+            width, mask = _visible_prefix(ctx.visible(rows), q.dtype)
+            if not width:
+                continue
+            gq, gk, gv = attention_backward(
+                grad[:, :, rows],
+                q[:, :, rows],
+                keys[:, :, :width],
+                values[:, :, :width],
+                out[:, :, rows],
+                lse[:, :, rows],
+                mask,
+                ctx.scale,
+                ctx.dropout.child(number),
+            )
+            grad_q[:, :, rows] = gq
+            grad_k[:, :, :width] += gk
+            grad_v[:, :, :width] += gv
+        return None, None, None, None, grad_q, grad_k, grad_v
+
+
+def _visible_prefix(allowed: torch.Tensor, dtype: torch.dtype) -> tuple[int, torch.Tensor]:
+    """(keys up to the last one any query of the chunk sees, the additive mask over them)."""
+    seen = allowed.flatten(0, -2).any(0).nonzero()
+    width = int(seen[-1]) + 1 if len(seen) else 0
+    return width, additive_mask(allowed[..., :width], dtype)
+
+
+def window_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, window: int
+) -> torch.Tensor:
     """Causal sliding window (t - s < window) over one row span with as many queries as keys, on the band kernel."""
     n = k.shape[-2]
     block = min(128, max(16, -(-(window // 2) // 16) * 16))  # longformer's query blocks
@@ -150,8 +220,9 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: At
     return union_attention([band], call)[..., :n, :]
 
 
-def span_parts(q, k, v, call: AttentionCall, geometry: NSABlocks, compress_k: Compress, compress_v: Compress,
-                groups: int):
+def span_parts(
+    q, k, v, call: AttentionCall, geometry: NSABlocks, compress_k: Compress, compress_v: Compress, groups: int
+):
     """What both paths over one row span share: compressed keys/values (query heads), visibility, the selection
     (query heads) and the query positions. k/v (B, H, n, D) with the KV heads repeated ``groups`` times (as the plug
     hands them over): compression and selection run per KV head."""
@@ -170,32 +241,54 @@ def span_parts(q, k, v, call: AttentionCall, geometry: NSABlocks, compress_k: Co
     return keys, values, visible, blocks, chosen, positions
 
 
-def nsa_branches(q, k, v, call: AttentionCall, geometry: NSABlocks, compress_k: Compress, compress_v: Compress,
-                 groups: int):
+def nsa_branches(
+    q, k, v, call: AttentionCall, geometry: NSABlocks, compress_k: Compress, compress_v: Compress, groups: int
+):
     """(compressed, selected, window) outputs (B, H, Q, Dv) each over one row span (Q = n); ``groups`` query heads
     per KV head (see :func:`span_parts`)."""
-    keys, values, visible, blocks, chosen, positions = span_parts(q, k, v, call, geometry, compress_k, compress_v,
-                                                                   groups)
-    return (compressed_attention(q, keys, values, visible, call),
-            gathered_block_attention(q, k, v, call, geometry.select, blocks, chosen, positions),
-            window_attention(q, k, v, call, geometry.window))
+    keys, values, visible, blocks, chosen, positions = span_parts(
+        q, k, v, call, geometry, compress_k, compress_v, groups
+    )
+    return (
+        compressed_attention(q, keys, values, visible, call),
+        selected_attention(q, k, v, call, geometry.select, blocks, chosen, positions, groups),
+        window_attention(q, k, v, call, geometry.window),
+    )
 
 
-def nsa_reference_branches(q, k, v, call: AttentionCall, geometry: NSABlocks, compress_k: Compress,
-                           compress_v: Compress, groups: int):
+def selected_attention(q, k, v, call: AttentionCall, size: int, blocks, chosen, positions, groups: int):
+    """The selected branch over one row span: blocks/chosen (B, H, Q, R) name each query's blocks (its own among
+    them, as the selection forces it), the same for the ``groups`` query heads of a KV head. On CPU without padding
+    and with as many queries as keys: by key block, each KV group's heads in one call
+    (:func:`zoo.ops.block_grouped.block_grouped_attention`); otherwise one gathered entry per query."""
+    if not (flash_available(q) and call.padding_mask is None and q.shape[-2] == k.shape[-2]):
+        return gathered_block_attention(q, k, v, call, size, blocks, chosen, positions)
+    blocks, chosen = blocks[:, ::groups], chosen[:, ::groups]
+    earlier = chosen & (blocks < (positions // size)[:, None])
+    return block_grouped_attention(
+        q, k[:, ::groups], v[:, ::groups], blocks, earlier, size, call.scaling, Dropout.of(call)
+    )
+
+
+def nsa_reference_branches(
+    q, k, v, call: AttentionCall, geometry: NSABlocks, compress_k: Compress, compress_v: Compress, groups: int
+):
     """:func:`nsa_branches` as three dense softmaxes restricted to the same compressed blocks, selected tokens and
     window (O(n²), tests only)."""
-    keys, values, visible, blocks, chosen, positions = span_parts(q, k, v, call, geometry, compress_k, compress_v,
-                                                                   groups)
+    keys, values, visible, blocks, chosen, positions = span_parts(
+        q, k, v, call, geometry, compress_k, compress_v, groups
+    )
     n = k.shape[-2]
     selected = selected_blocks_mask(blocks, chosen, geometry.select, n, positions, call.padding_mask)
     offset = positions[:, None] - torch.arange(n, device=q.device)
     window = (offset >= 0) & (offset < geometry.window)
     if call.padding_mask is not None:
         window = window & call.padding_mask[:, None, None, :]
-    return (softmax_attention(q, keys, values, visible(slice(None)), call.scaling),
-            softmax_attention(q, k, v, selected, call.scaling),
-            softmax_attention(q, k, v, window, call.scaling))
+    return (
+        softmax_attention(q, keys, values, visible(slice(None)), call.scaling),
+        softmax_attention(q, k, v, selected, call.scaling),
+        softmax_attention(q, k, v, window, call.scaling),
+    )
 
 
 def nsa_decode_branches(q, k, v, call: AttentionCall, geometry: NSABlocks, keys, values, filled, starts):
@@ -215,9 +308,11 @@ def nsa_decode_branches(q, k, v, call: AttentionCall, geometry: NSABlocks, keys,
     blocks, chosen, keys, values = (x.repeat_interleave(groups, 1) for x in (blocks, chosen, keys, values))
     key_pos = positions[:, None] - geometry.window + 1 + torch.arange(geometry.window, device=q.device)  # (Q, w)
     in_window = (key_pos >= 0).expand(*q.shape[:2], -1, -1)
-    return (compressed_attention(q, keys, values, visible, call),
-            decode_block_attention(q, k, v, call, geometry.select, blocks, chosen, starts, positions),
-            attention_at_positions(q, k, v, key_pos.expand(*q.shape[:2], -1, -1), in_window, call))
+    return (
+        compressed_attention(q, keys, values, visible, call),
+        decode_block_attention(q, k, v, call, geometry.select, blocks, chosen, starts, positions),
+        attention_at_positions(q, k, v, key_pos.expand(*q.shape[:2], -1, -1), in_window, call),
+    )
 
 
 def mix(gates: torch.Tensor, branches) -> torch.Tensor:
@@ -233,8 +328,9 @@ def nsa_flops(n: int, heads: int, head_dim: int, geometry: NSABlocks) -> float:
     the selected blocks (the own block causal) and the window."""
     compressed = sum(n - (i * geometry.stride + geometry.compress - 1) for i in range(geometry.compressed_count(n)))
     size = geometry.select
-    selected = sum(size * min(geometry.top_n, j + 1) * size - size * (size - 1) / 2
-                   for j in range(geometry.selection_count(n)))
+    selected = sum(
+        size * min(geometry.top_n, j + 1) * size - size * (size - 1) / 2 for j in range(geometry.selection_count(n))
+    )
     w = geometry.window
     window = n * (n + 1) / 2 if n <= w else w * (w + 1) / 2 + (n - w) * w
     return 2.0 * heads * head_dim * (3 * compressed + 2 * selected + 2 * window)

@@ -1,0 +1,183 @@
+"""Block-sparse attention computed by key block (MoBA's and NSA's selected blocks on CPU).
+
+Each query reads its own block of ``block`` keys (causal inside it) and some chosen complete blocks before it, in
+one softmax. Rather than gathering every query's keys, the work is grouped by key block: one flash call runs all
+own blocks at once (causal), then each chosen key block runs one flash call with exactly the queries that chose it,
+its keys read in place. The parts merge through their log-sum-exps into running fp32 accumulators (extra memory
+O(n·heads·d), not one slot per chosen block). The backward recomputes each part from the merged output and
+log-sum-exp (as :mod:`zoo.ops.union`). A selection shared by the ``G`` query heads of a KV head (NSA's GQA groups)
+runs those heads together: G·m queries in one call over the KV head's block, so each block is read once per group.
+Under attention dropout the parts run :mod:`zoo.ops.dropout`'s kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zoo.ops.dense import pad_to_multiple
+from zoo.ops.dropout import Dropout, attention_backward, attention_forward
+from zoo.ops.flash import additive_mask
+
+
+class KeyBlockGroups:
+    """The queries of each (part, key block) with part = row·KV head: ``keys`` (K,) the flat key block p·nb + j of
+    each non-empty group, ``index`` (pairs, G) the rows of each (query, head) pair in the part's grouped layout
+    (sorted by group), ``bounds`` (K + 1,) offsets of each group's pairs."""
+
+    def __init__(self, keys: torch.Tensor, index: torch.Tensor, bounds: torch.Tensor, nb: int) -> None:
+        self.keys, self.index, self.bounds, self.nb = keys, index, bounds, nb
+
+    def groups(self):
+        """(group number, part, key block, layout rows (G·m,)) per non-empty group."""
+        bounds = self.bounds.tolist()
+        for number, key in enumerate(self.keys.tolist()):
+            yield number, key // self.nb, key % self.nb, self.index[bounds[number] : bounds[number + 1]].flatten()
+
+
+def by_key_block(blocks: torch.Tensor, chosen: torch.Tensor, block: int, heads: int) -> KeyBlockGroups:
+    """Group the chosen (query, slot) pairs of blocks/chosen (B, H_kv, n, R) by (row·KV head, key block); each pair
+    stands for its query in the ``heads`` query heads that share the selection (:func:`to_layout`'s rows)."""
+    nb = -(-blocks.shape[-2] // block)
+    flat_blocks, flat_chosen = blocks.flatten(0, 1), chosen.flatten(0, 1)
+    parts, queries, slots = flat_chosen.nonzero(as_tuple=True)
+    keys = parts * nb + flat_blocks[parts, queries, slots]
+    order = keys.argsort(stable=True)
+    keys, queries = keys[order], queries[order]
+    base = queries // block * (heads * block) + queries % block
+    index = base[:, None] + torch.arange(heads, device=blocks.device) * block
+    distinct, counts = torch.unique_consecutive(keys, return_counts=True)
+    bounds = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    return KeyBlockGroups(distinct, index, bounds, nb)
+
+
+def to_layout(x: torch.Tensor, kv_heads: int, block: int) -> torch.Tensor:
+    """(B, H, n, D) -> (B·H_kv, nb, G·block, D): each KV head's G query heads side by side within each block."""
+    batch, heads, _, dim = x.shape
+    x = pad_to_multiple(x, block).unflatten(1, (kv_heads, heads // kv_heads)).unflatten(3, (-1, block))
+    return x.permute(0, 1, 3, 2, 4, 5).reshape(batch * kv_heads, -1, heads // kv_heads * block, dim)
+
+
+def from_layout(x: torch.Tensor, batch: int, heads: int, n: int, block: int) -> torch.Tensor:
+    """The inverse of :func:`to_layout`: (B·H_kv, nb, G·block, D) -> (B, H, n, D)."""
+    parts, nb, _, dim = x.shape
+    x = x.view(batch, parts // batch, nb, heads * batch // parts, block, dim).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(batch, heads, nb * block, dim)[:, :, :n]
+
+
+def block_grouped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    blocks: torch.Tensor,
+    chosen: torch.Tensor,
+    block: int,
+    scale: float,
+    dropout: Dropout,
+) -> torch.Tensor:
+    """Causal attention of each query over its own block and its chosen earlier blocks (CPU flash kernels).
+
+    q (B, H, n, D) at positions 0 .. n - 1; k/v (B, H_kv, n, D) with H = G·H_kv; blocks/chosen (B, H_kv, n, R):
+    the earlier blocks (strictly before the query's own) each query reads, shared by the G query heads of its KV
+    head, each named at most once. No padding. Returns (B, H, n, Dv)."""
+    batch, heads, n, _ = q.shape
+    kv_heads = k.shape[1]
+    picked = by_key_block(blocks, chosen, block, heads // kv_heads)
+    keys, values = (pad_to_multiple(x, block).unflatten(-2, (-1, block)).flatten(0, 1) for x in (k, v))
+    out = _BlockGrouped.apply(scale, picked, dropout, to_layout(q, kv_heads, block), keys, values)
+    return from_layout(out, batch, heads, n, block)
+
+
+def _causal(q: torch.Tensor, block: int) -> torch.Tensor:
+    """The own blocks' additive mask (G·block, block): causal within the block for each of the G heads."""
+    heads = q.shape[2] // block
+    return additive_mask(torch.ones(block, block, dtype=torch.bool, device=q.device).tril().repeat(heads, 1), q.dtype)
+
+
+class _BlockGrouped(torch.autograd.Function):
+    """q (P, nb, G·block, D) in :func:`to_layout`'s layout, k/v (P, nb, block, D): own blocks causal in one call,
+    each chosen key block with its queries in one call each, merged by log-sum-exp; the backward recomputes."""
+
+    @staticmethod
+    def forward(ctx, scale, picked: KeyBlockGroups, dropout: Dropout, q, k, v):
+        parts, nb, rows, dim = q.shape
+        own_out, own_lse = attention_forward(q, k, v, _causal(q, k.shape[2]), scale, dropout.child(0))
+        merge = _Merge(own_out.reshape(parts, nb * rows, -1), own_lse.reshape(parts, nb * rows))
+        flat_q = q.view(parts, nb * rows, dim)
+        for number, part, key, index in picked.groups():
+            out, lse = attention_forward(
+                flat_q[part].index_select(0, index)[None, None],
+                k[part, key][None, None],
+                v[part, key][None, None],
+                None,
+                scale,
+                dropout.child(1, number),
+            )
+            merge.add(part, index, out[0, 0], lse[0, 0])
+        merged, total = merge.result(q.dtype)
+        merged, total = merged.view(parts, nb, rows, -1), total.view(parts, nb, rows)
+        ctx.scale, ctx.picked, ctx.dropout = scale, picked, dropout
+        ctx.save_for_backward(q, k, v, merged, total)
+        return merged
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, merged, total = ctx.saved_tensors
+        picked, scale = ctx.picked, ctx.scale
+        parts, nb, rows, dim = q.shape
+        grad = grad.contiguous()
+        grad_q, grad_k, grad_v = attention_backward(
+            grad, q, k, v, merged, total, _causal(q, k.shape[2]), scale, ctx.dropout.child(0)
+        )
+        grad_q, grad_k, grad_v = (x.contiguous() for x in (grad_q, grad_k, grad_v))
+        packed = torch.cat([q, grad, merged], -1).view(parts, nb * rows, -1)  # one gather per group for all three
+        flat_grad_q, flat_total, dv = grad_q.view(parts, nb * rows, dim), total.view(parts, nb * rows), v.shape[-1]
+        for number, part, key, index in picked.groups():
+            got = packed[part].index_select(0, index)[None, None]
+            gq, gk, gv = attention_backward(
+                got[..., dim : dim + dv],
+                got[..., :dim],
+                k[part, key][None, None],
+                v[part, key][None, None],
+                got[..., dim + dv :],
+                flat_total[part].index_select(0, index)[None, None],
+                None,
+                scale,
+                ctx.dropout.child(1, number),
+            )
+            flat_grad_q[part].index_add_(0, index, gq[0, 0])
+            grad_k[part, key] += gk[0, 0]
+            grad_v[part, key] += gv[0, 0]
+        return None, None, None, grad_q, grad_k, grad_v
+
+
+class _Merge:
+    """Running softmax parts per (part, row) in fp32: Σ weight·out and Σ weight with weight = exp(lse - base),
+    ``base`` (first the own part's log-sum-exp) raised for a row when a part's log-sum-exp passes it by more than
+    HEADROOM, so no weight overflows and the largest is at least exp(-HEADROOM)."""
+
+    HEADROOM = 30.0
+
+    def __init__(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        self.sums = out.float().clone()
+        self.base = lse.float().clone()
+        self.mass = torch.ones_like(self.base)
+
+    def add(self, part: int, index: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Add one part's outputs (m, Dv) and log-sum-exps (m,) to rows ``index`` (distinct) of ``part``."""
+        sums, base, mass = self.sums[part], self.base[part], self.mass[part]
+        shift = lse - base.index_select(0, index)
+        high = shift > self.HEADROOM
+        if bool(high.any()):
+            rows, raised = index[high], lse[high]
+            factor = torch.exp(base.index_select(0, rows) - raised)
+            sums.index_copy_(0, rows, sums.index_select(0, rows) * factor[:, None])
+            mass.index_copy_(0, rows, mass.index_select(0, rows) * factor)
+            base.index_copy_(0, rows, raised)
+            shift = lse - base.index_select(0, index)
+        weight = torch.exp(shift)
+        sums.index_add_(0, index, out.float() * weight[:, None])
+        mass.index_add_(0, index, weight)
+
+    def result(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(merged outputs in ``dtype``, log-sum-exps fp32)."""
+        return (self.sums / self.mass[..., None]).to(dtype), self.base + torch.log(self.mass)
