@@ -16,10 +16,11 @@ Training the indexer: in a training forward the layer adds ``indexer_loss_weight
 the attention's head-summed, L1-normalised probabilities over the selected keys (:func:`zoo.ops.dsa.indexer_kl`;
 the indexer's input detached, the target without gradient) to the backward of its output, as DeepSeek's auxiliary
 losses are added: any loss that backpropagates through the layer trains the indexer by its KL and nothing else.
-The last value is kept in ``attention_zoo.last_loss`` (:func:`indexer_losses` collects them for logging).
-``dense_warmup=True`` is the paper's first stage of a retrofit: the attention is dense causal SDPA and the indexer
-learns the dense distribution over every eligible key (:func:`zoo.ops.dsa.dense_indexer_kl`, chunked, each chunk
-recomputed in the backward); freeze the rest of the model for it, then continue with ``dense_warmup=False``.
+The last value is kept in ``attention_zoo.last_loss``, an auxiliary loss named ``indexer_kl``
+(:func:`zoo.variant.auxiliary_losses`; the zoo's Trainer logs it). ``dense_warmup=True`` is the paper's first stage
+of a retrofit: the attention is dense causal SDPA and the indexer learns the dense distribution over every eligible
+key (:func:`zoo.ops.dsa.dense_indexer_kl`, chunked, each chunk recomputed in the backward); freeze the rest of the
+model for it, then continue with ``dense_warmup=False``. A retrofit's stage 1 runs it (:meth:`transfer_stage`).
 
 Decoding (:class:`DSALayer`): every key and every token's indexer key; a step scores all indexer keys and reads
 ``top_k`` keys: O(n·h_I·d_I + top_k·d) per token.
@@ -35,13 +36,22 @@ from zoo.cache import KernelStateLayer
 from zoo.ops import allowed_mask, softmax_attention
 from zoo.ops.dsa import dense_indexer_kl, dsa_flops, indexer_kl, select_tokens, selected_mask, token_attention
 from zoo.ops.short_conv import gate_source
-from zoo.variant import AttentionCall, LayerWeights, Param, Variant
+from zoo.variant import (
+    AttentionCall,
+    LayerWeights,
+    Param,
+    TransferStage,
+    Variant,
+    VariantParameterError,
+    auxiliary_losses,
+)
 
 
 class DSAIndexer(LayerWeights):
     """One layer's lightning indexer: query (hidden -> h_I·d_I), key (hidden -> d_I), head weights (hidden -> h_I)."""
 
     needs_hidden_states = True
+    auxiliary_loss = "indexer_kl"
 
     def __init__(self, hidden_size: int, heads: int, dim: int) -> None:
         super().__init__()
@@ -49,7 +59,6 @@ class DSAIndexer(LayerWeights):
         self.query = nn.Linear(hidden_size, heads * dim, bias=False)
         self.key = nn.Linear(hidden_size, dim, bias=False)
         self.head_weights = nn.Linear(hidden_size, heads, bias=False)
-        self.last_loss: torch.Tensor | None = None
 
     def project(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q^I (B, n, h_I, d_I), w (B, n, h_I), k^I (B, n, d_I)) of ``source`` (B, n, hidden)."""
@@ -93,6 +102,16 @@ class DSAAttention(Variant):
 
     def make_module(self, layer_idx: int, config, head_dim: int, num_heads: int) -> nn.Module:
         return DSAIndexer(config.hidden_size, self.index_heads, self.index_dim)
+
+    def transfer_stage(self) -> TransferStage:
+        """A retrofit's stage 1 is the dense warm-up: the layer's output is the original's and the indexer trains by
+        its KL against the dense distribution (whatever ``indexer_loss_weight``); the retrofitted layers run sparse."""
+        if self.dense_warmup:
+            raise VariantParameterError(
+                "attention-zoo variant 'dsa': a retrofit runs stage 1 in the dense warm-up itself and saves sparse "
+                "layers; drop dense_warmup from variant_params."
+            )
+        return TransferStage({"dense_warmup": True, "indexer_loss_weight": 1.0}, DSAIndexer.auxiliary_loss)
 
     def cache_layer(self, layer_idx: int, config) -> DSALayer:
         return DSALayer()
@@ -163,8 +182,7 @@ class DSAAttention(Variant):
 
 def indexer_losses(model: nn.Module) -> torch.Tensor | None:
     """The sum of every DSA layer's last indexer loss (detached, for logging), or None before a training forward."""
-    losses = [m.last_loss for m in model.modules() if isinstance(m, DSAIndexer) and m.last_loss is not None]
-    return torch.stack(losses).sum() if losses else None
+    return auxiliary_losses(model).get(DSAIndexer.auxiliary_loss)
 
 
 class DSALayer(KernelStateLayer):

@@ -33,8 +33,17 @@ from zoo.ops import allowed_mask, softmax_attention
 from zoo.ops.patterned import pattern_attention, pattern_flops
 from zoo.pattern import Pattern, PredicateOnly
 
-__all__ = ["AttentionCall", "LayerWeights", "PLUGIN_API_VERSION", "Param", "Variant", "VariantParameterError",
-           "reference"]
+__all__ = [
+    "AttentionCall",
+    "LayerWeights",
+    "PLUGIN_API_VERSION",
+    "Param",
+    "TransferStage",
+    "Variant",
+    "VariantParameterError",
+    "auxiliary_losses",
+    "reference",
+]
 
 PLUGIN_API_VERSION = 2
 """The version of the plugin API (what docs/plugins/index.md, "Writing a variant", uses). 1: attention-zoo 0.1.0, where
@@ -131,17 +140,45 @@ class LayerWeights(torch.nn.Module):
 
     * ``needs_hidden_states = True``: the attention module's input is in ``self.hidden_states`` during the call
       (Longformer's global projections project the hidden states, not the layer's q/k/v);
-    * `initialize_from`: derive initial values from the layer's own weights, once they are final.
+    * `initialize_from`: derive initial values from the layer's own weights, once they are final;
+    * ``auxiliary_loss = "name"``: the weights add a loss of their own to the backward in a training forward (DSA's
+      indexer KL) and keep its last value, detached, in ``self.last_loss``; `auxiliary_losses` collects them for the
+      recipes' logs.
     """
 
     needs_hidden_states: ClassVar[bool] = False
+    auxiliary_loss: ClassVar[str | None] = None
 
     def __init__(self) -> None:
         super().__init__()
         self.hidden_states: torch.Tensor | None = None
+        self.last_loss: torch.Tensor | None = None
 
     def initialize_from(self, attention: torch.nn.Module) -> None:
         """Called (under no_grad) with the attention module; the default keeps the constructor's values."""
+
+
+def auxiliary_losses(model: torch.nn.Module, reset: bool = False) -> dict[str, torch.Tensor]:
+    """``{name: sum}`` of the last `LayerWeights.auxiliary_loss` values held in ``model`` (detached; empty before a
+    training forward); ``reset`` forgets them, so the next read sees only later forwards."""
+    sums: dict[str, torch.Tensor] = {}
+    for module in model.modules():
+        if isinstance(module, LayerWeights) and module.auxiliary_loss and module.last_loss is not None:
+            value, name = module.last_loss.detach().float(), module.auxiliary_loss
+            sums[name] = value if name not in sums else sums[name] + value.to(sums[name].device)
+            if reset:
+                module.last_loss = None
+    return sums
+
+
+@dataclass(frozen=True)
+class TransferStage:
+    """A variant's own stage 1 of a retrofit (`Variant.transfer_stage`): its layer trains with ``params`` over the
+    configured ones, by its weights' auxiliary loss ``measure`` (reported before and after, per layer); the
+    retrofitted model runs the configured parameters."""
+
+    params: Mapping[str, Any]
+    measure: str
 
 
 class Variant:
@@ -310,6 +347,13 @@ class Variant:
         Returns:
             An ``nn.Module`` (a `LayerWeights` to declare its hooks), or None.
         """
+        return None
+
+    def transfer_stage(self) -> TransferStage | None:
+        """Optional hook for a retrofit's attention transfer (`zoo.retrofit`). None, the default: the layer's weights
+        train to reproduce the original layer's output, as configured. A `TransferStage`: they train by their own
+        auxiliary loss with other parameters (DSA's dense warm-up). Raise `VariantParameterError` for parameters a
+        retrofit cannot start from."""
         return None
 
     def layer_weights(self, call: AttentionCall) -> torch.nn.Module:

@@ -156,7 +156,7 @@ def attach(model: nn.Module, variant_of, replace: bool = False) -> int:
 def _check_declared_hooks(variant, weights: nn.Module) -> None:
     """The hooks are declared by subclassing :class:`zoo.LayerWeights`; a plain module that names them would silently
     not get them (no hidden states, no derived values), so it is refused."""
-    named = [hook for hook in ("needs_hidden_states", "initialize_from") if hook in dir(weights)]
+    named = [hook for hook in ("needs_hidden_states", "initialize_from", "auxiliary_loss") if hook in dir(weights)]
     if named and not isinstance(weights, LayerWeights):
         raise TypeError(
             f"attention-zoo variant {variant.name!r}: make_module returned a {type(weights).__name__} that defines "

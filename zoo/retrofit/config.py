@@ -27,6 +27,7 @@ from zoo.registry import get_variant_class
 from zoo.retrofit.selection import check_layout
 from zoo.retrofit.transfer import TransferSettings
 from zoo.training.config import FinetuneConfig
+from zoo.variant import TransferStage
 
 DATA_KEYS = {"sequence_length", "train_sequences", "held_out_sequences"}
 STAGE1_DECIDES = {"model_name_or_path", "model_config", "variant", "variant_params", "output_dir"}
@@ -61,6 +62,21 @@ class RetrofitConfig:
         """The converted layers' ``hybrid`` entry."""
         return {"variant": self.variant, "params": dict(self.variant_params)}
 
+    @property
+    def stage(self) -> TransferStage | None:
+        """The variant's own stage 1 (:meth:`zoo.variant.Variant.transfer_stage`; DSA's dense warm-up), or None."""
+        return get_variant_class(self.variant)(**self.variant_params).transfer_stage()
+
+    @property
+    def stage_entry(self) -> dict[str, Any]:
+        """The ``hybrid`` entry of a converted layer while stage 1 trains it (:attr:`entry` without a stage)."""
+        stage = self.stage
+        return (
+            self.entry
+            if stage is None
+            else {"variant": self.variant, "params": {**self.variant_params, **stage.params}}
+        )
+
     def data_setting(self, key: str) -> int:
         return int(self.data.get(key, {"sequence_length": 1024, "train_sequences": 16, "held_out_sequences": 2}[key]))
 
@@ -93,6 +109,7 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Re
             raise RetrofitConfigError(f"{path}: `{key}` is missing.")
     try:
         variant = get_variant_class(raw["variant"])(**(raw.get("variant_params") or {}))  # checks the parameters
+        stage = variant.transfer_stage()
     except (KeyError, ValueError) as exc:
         raise RetrofitConfigError(f"{path}: variant {raw['variant']!r}: {exc}") from exc
     if not variant.supports_causal:
@@ -106,6 +123,12 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Re
     if set(transfer_raw) - transfer_keys:
         raise RetrofitConfigError(f"{path}: transfer has unknown keys {sorted(set(transfer_raw) - transfer_keys)}; "
                                   f"known: {', '.join(sorted(transfer_keys))}.")
+    if stage is not None and transfer_raw.get("lora"):
+        raise RetrofitConfigError(
+            f"{path}: transfer.lora: stage 1 of {raw['variant']!r} runs its layers with "
+            f"{dict(stage.params)} and trains its own weights by {stage.measure}, so LoRA on "
+            "q/k/v has nothing to learn there; drop transfer.lora (stage 2 can take lora)."
+        )
     layouts = list(raw.get("layouts") or [{"name": "selected", "keep_full": 0.25}])
     for number, layout in enumerate(layouts):
         if not isinstance(layout, dict) or not layout.get("name"):

@@ -39,6 +39,7 @@ from zoo.retrofit.config import STAGE2_OWN, RetrofitConfig
 from zoo.retrofit.selection import (
     apply_layout,
     attention_states,
+    configure_keeping_weights,
     divergence,
     hybrid_layers,
     kept_layers,
@@ -46,7 +47,7 @@ from zoo.retrofit.selection import (
     swap_kl,
     without_attention_dropout,
 )
-from zoo.retrofit.transfer import train_layer
+from zoo.retrofit.transfer import OwnStage, train_layer
 
 logger = logging.getLogger("zoo.retrofit")
 DEFAULT_STAGE2 = {"task": "gutenberg_lm", "max_length": 2048, "max_steps": 40, "learning_rate": 1e-4,
@@ -74,6 +75,8 @@ def fingerprint(cfg: RetrofitConfig) -> str:
     """What stage 1's result depends on: the model, the variant, the layers, the data and the transfer settings."""
     keys = {"model": cfg.model, "variant": cfg.entry, "layers": cfg.layers, "data": cfg.data,
             "transfer": asdict(cfg.transfer)}
+    if cfg.stage is not None:
+        keys["stage"] = cfg.stage_entry
     return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -108,12 +111,15 @@ def stage1(cfg: RetrofitConfig, model, tokenizer) -> tuple[dict, dict, dict]:
         train_rows = list(range(len(train)))
         held_rows = list(range(len(train), len(train) + len(held_out)))
         rows, transferred = [], {}
+        stage = own_stage(cfg, model, len(original), layers)
         for layer in layers:
             modules[layer].load_state_dict(original[layer], strict=False)
-            rows.append(train_layer(modules[layer], captured, layer, train_rows, held_rows, cfg.transfer))
+            rows.append(train_layer(modules[layer], captured, layer, train_rows, held_rows, cfg.transfer, stage))
             transferred[layer] = {k: v.detach().clone() for k, v in modules[layer].state_dict().items()}
-            logger.info("retrofit: layer %d error %.3f -> %.3f (%.0f s)", layer, rows[-1]["error_before"],
-                        rows[-1]["error_after"], rows[-1]["seconds"])
+            row = rows[-1]
+            errors = f"{row['error_before']:.3f} -> {row['error_after']:.3f}"
+            measure = f"; {row['measure']} {row['measure_before']:.3f} -> {row['measure_after']:.3f}" if stage else ""
+            logger.info("retrofit: layer %d error %s%s (%.0f s)", layer, errors, measure, row["seconds"])
         disk = captured.disk_bytes
         captured.delete()
     transfer_seconds = time.perf_counter() - started - capture_seconds
@@ -125,6 +131,7 @@ def stage1(cfg: RetrofitConfig, model, tokenizer) -> tuple[dict, dict, dict]:
         row["swap_kl"] = kl[row["layer"]]
     done = {
         "fingerprint": fingerprint(cfg), "variant": cfg.entry, "layers": rows,
+        **({"stage": cfg.stage_entry} if stage is not None else {}),
         "original_held_out_perplexity": original_score["perplexity"],
         "tokens": sum(row["tokens"] for row in rows), "sequence_length": length,
         "train_tokens": int(train.numel()), "held_out_tokens": int(held_out.numel()),
@@ -137,6 +144,15 @@ def stage1(cfg: RetrofitConfig, model, tokenizer) -> tuple[dict, dict, dict]:
     map_path.write_text(json.dumps(done, indent=2) + "\n")
     report.write_transfer_map(done, folder)
     return done, transferred, original
+
+
+def own_stage(cfg: RetrofitConfig, model, count: int, layers: list[int]) -> OwnStage | None:
+    """The variant's own stage 1 (DSA's dense warm-up), switching the converted layers' parameters; or None."""
+    stage = cfg.stage
+    if stage is None:
+        return None
+    entries = {True: hybrid_layers(count, layers, cfg.stage_entry), False: hybrid_layers(count, layers, cfg.entry)}
+    return OwnStage(stage.measure, lambda on: configure_keeping_weights(model, entries[on]))
 
 
 def flatten(states: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -13,12 +13,20 @@ from huggingface_hub import ModelCard, ModelCardData
 
 
 def transfer_table(done: dict) -> str:
-    lines = ["| layer | error before | error after | after / before | swap KL | trained parameters | seconds |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+    """One row per layer; with the variant's own stage (DSA), its measure before and after too."""
+    measure = next((row["measure"] for row in done["layers"] if "measure" in row), None)
+    extra = f" {measure} before | {measure} after |" if measure else ""
+    lines = [
+        f"| layer | error before | error after | after / before |{extra} swap KL | trained parameters | seconds |",
+        "|---:|---:|---:|---:|" + "---:|" * (2 * bool(measure)) + "---:|---:|---:|",
+    ]
     for row in done["layers"]:
         ratio = row["error_after"] / row["error_before"] if row["error_before"] else float("nan")
-        lines.append(f"| {row['layer']} | {row['error_before']:.3g} | {row['error_after']:.3g} | {ratio:.3f} | "
-                     f"{row['swap_kl']:.4f} | {row['trained_parameters']:,} | {row['seconds']:.0f} |")
+        measured = f" {row['measure_before']:.4g} | {row['measure_after']:.4g} |" if measure else ""
+        lines.append(
+            f"| {row['layer']} | {row['error_before']:.3g} | {row['error_after']:.3g} | {ratio:.3f} |"
+            f"{measured} {row['swap_kl']:.4f} | {row['trained_parameters']:,} | {row['seconds']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -33,6 +41,11 @@ def write_transfer_map(done: dict, folder: Path) -> None:
             f"{seconds['capture']:.0f} s, transfer {seconds['transfer']:.0f} s, swap KL {seconds['swap_kl']:.0f} s on "
             f"{done['threads']} threads; peak RSS {done['peak_rss_mb']:.0f} MB; activations on disk "
             f"{done['activations_disk_bytes'] / 2**20:.0f} MB.\n\n")
+    if "stage" in done:
+        head += (
+            f"Stage 1 ran each layer as {done['stage']['params']} and trained the variant's weights by the "
+            f"measure in the table (held out, before and after); the errors are those of the layer as saved.\n\n"
+        )
     (folder / "transfer_map.md").write_text(head + transfer_table(done) + "\n")
     plot_transfer_map(done, folder / "transfer_map.png")
 

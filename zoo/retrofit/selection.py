@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from zoo.plug.install import configure
-from zoo.plug.weights import attention_modules
+from zoo.plug.weights import WEIGHTS_NAME, attention_modules
 from zoo.training.finetune import ATTENTION_DROPOUT_KEYS
 
 KEEP = "sdpa"  # what a kept layer runs: torch's SDPA, the original attention
@@ -48,6 +48,20 @@ def attention_states(model) -> dict[int, dict[str, torch.Tensor]]:
     """Each attention module's state (a copy), by layer index."""
     return {idx: {k: v.detach().clone() for k, v in module.state_dict().items()}
             for _, idx, module in attention_modules(model)}
+
+
+def configure_keeping_weights(model, layers: list) -> None:
+    """Configure ``model`` as the ``hybrid`` of ``layers`` keeping each layer's variant weights (``configure`` draws
+    new ones): a stage of the transfer switches the parameters of the converted layers, not their weights."""
+    kept = {
+        idx: module._modules[WEIGHTS_NAME].state_dict()
+        for _, idx, module in attention_modules(model)
+        if WEIGHTS_NAME in module._modules
+    }
+    configure(model, "hybrid", layers=layers)
+    for _, idx, module in attention_modules(model):
+        if idx in kept:
+            module._modules[WEIGHTS_NAME].load_state_dict(kept[idx])
 
 
 def apply_layout(model, converted: Iterable[int], entry: dict[str, Any], transferred: Mapping[int, dict],

@@ -7,12 +7,16 @@ independent: each trains from the original model's activations, so the order doe
 The loss and the reported error are the same number: the mean squared error over the teacher output's variance
 (:func:`normalized_error`; 1.0 is what predicting the mean output scores, 0 is exact). The comparison is on the
 module's output (after the output projection: what the residual stream receives).
+
+A variant with a stage of its own (:meth:`zoo.variant.Variant.transfer_stage`, :class:`OwnStage`; DSA's dense
+warm-up) trains with the stage's parameters by its weights' auxiliary loss, reported before and after on the held-out
+rows (:func:`held_out_auxiliary`); the error before and after is still that of the layer as configured (sparse DSA).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +24,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from zoo.plug.weights import WEIGHTS_NAME
 from zoo.retrofit.capture import Captured
+from zoo.variant import auxiliary_losses
 
 # The input projections of the attention modules of the families the zoo supports (Llama, Qwen2, Mistral: q/k/v_proj;
 # GPT-2: the fused c_attn; BERT: query/key/value; Phi-3: qkv_proj; ModernBERT: Wqkv).
@@ -37,6 +42,15 @@ class TransferSettings:
     lora: dict | None = None
     seed: int = 0
     eval_batch: int = 1
+
+
+@dataclass
+class OwnStage:
+    """A variant's own stage 1 for :func:`train_layer`: ``measure``, the auxiliary loss it trains by; ``use(True)``
+    runs the converted layers with the stage's parameters, ``use(False)`` with the configured ones."""
+
+    measure: str
+    use: Callable[[bool], None]
 
 
 def normalized_error(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
@@ -61,6 +75,35 @@ def held_out_error(module: torch.nn.Module, captured: Captured, layer: int, rows
         count += teacher.numel()
     variance = total_sq / count - (total / count) ** 2
     return squared / count / max(variance, 1e-12)
+
+
+def held_out_auxiliary(
+    module: torch.nn.Module, captured: Captured, layer: int, rows: Sequence[int], name: str, batch: int = 1
+) -> float:
+    """The mean over ``rows`` of the auxiliary loss ``name`` of ``module``'s variant weights, from training forwards
+    (gradients on, no step; the graphs are dropped)."""
+    weights = module._modules[WEIGHTS_NAME]
+    flags = [p.requires_grad for p in weights.parameters()]
+    weights.requires_grad_(True)
+    module.train()
+    total = 0.0
+    try:
+        for start in range(0, len(rows), batch):
+            chosen = rows[start : start + batch]
+            with torch.enable_grad():
+                captured.call(module, layer, captured.batch(layer, chosen)[0])
+            losses = auxiliary_losses(module, reset=True)
+            if name not in losses:
+                raise ValueError(
+                    f"retrofit: layer {layer}'s variant weights computed no {name!r} in a training "
+                    f"forward (they computed {sorted(losses) or 'none'})."
+                )
+            total += float(losses[name]) * len(chosen)
+    finally:
+        for parameter, flag in zip(weights.parameters(), flags, strict=True):
+            parameter.requires_grad_(flag)
+        module.eval()
+    return total / len(rows)
 
 
 def projection_names(module: torch.nn.Module, wanted: Sequence[str] | None = None) -> list[str]:
@@ -94,12 +137,56 @@ def with_lora(module: torch.nn.Module, lora: dict):
     return peft.LoraModel(module, config, "default")
 
 
-def train_layer(module: torch.nn.Module, captured: Captured, layer: int, train_rows: Sequence[int],
-                held_out_rows: Sequence[int], settings: TransferSettings) -> dict:
-    """Train one converted attention module to reproduce its layer's captured outputs; returns the layer's line of
-    the transfer map (held-out error before and after, parameters trained, steps, tokens, seconds)."""
+def train_layer(
+    module: torch.nn.Module,
+    captured: Captured,
+    layer: int,
+    train_rows: Sequence[int],
+    held_out_rows: Sequence[int],
+    settings: TransferSettings,
+    stage: OwnStage | None = None,
+) -> dict:
+    """Train one converted attention module to reproduce its layer's captured outputs (``stage``: by the variant's
+    own stage); returns the layer's line of the transfer map (held-out error before and after, with a stage its
+    measure before and after, parameters trained, steps, tokens, seconds)."""
     started = time.perf_counter()
     before = held_out_error(module, captured, layer, held_out_rows, settings.eval_batch)
+    measured = {}
+    if stage is not None:
+        stage.use(True)
+        measured = {
+            "measure": stage.measure,
+            "measure_before": held_out_auxiliary(
+                module, captured, layer, held_out_rows, stage.measure, settings.eval_batch
+            ),
+        }
+    count, steps = fit(module, captured, layer, train_rows, settings)
+    if stage is not None:
+        measured["measure_after"] = measured["measure_before"]
+        if steps:
+            measured["measure_after"] = held_out_auxiliary(
+                module, captured, layer, held_out_rows, stage.measure, settings.eval_batch
+            )
+        stage.use(False)
+    for parameter in module.parameters():
+        parameter.requires_grad_(False)
+    after = held_out_error(module, captured, layer, held_out_rows, settings.eval_batch) if steps else before
+    return {
+        "layer": layer,
+        "error_before": before,
+        "error_after": after,
+        **measured,
+        "trained_parameters": count,
+        "steps": steps,
+        "tokens": steps * settings.batch * captured.length,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def fit(
+    module: torch.nn.Module, captured: Captured, layer: int, train_rows: Sequence[int], settings: TransferSettings
+) -> tuple[int, int]:
+    """The training loop of :func:`train_layer` (LoRA merged at the end); returns (parameters trained, steps)."""
     for parameter in module.parameters():
         parameter.requires_grad_(False)
     tuner = with_lora(module, settings.lora) if settings.lora else None
@@ -126,9 +213,4 @@ def train_layer(module: torch.nn.Module, captured: Captured, layer: int, train_r
     count = sum(p.numel() for p in trained)
     if tuner is not None:
         tuner.merge_and_unload()
-    for parameter in module.parameters():
-        parameter.requires_grad_(False)
-    after = held_out_error(module, captured, layer, held_out_rows, settings.eval_batch) if steps else before
-    return {"layer": layer, "error_before": before, "error_after": after, "trained_parameters": count,
-            "steps": steps, "tokens": steps * settings.batch * captured.length,
-            "seconds": time.perf_counter() - started}
+    return count, steps

@@ -45,6 +45,7 @@ def row_for(run: Run, outcome: Outcome) -> dict[str, Any]:
     row.update({key: results.get(key) for key in SPEED_COLUMNS})
     row["loss_by_position"] = results.get("loss_by_position")
     row["training_loss"] = training_loss(run.run_dir)
+    row["training_curves"] = results.get("training_curves") or {}  # indexer_kl, distill_kl: [[step, mean], ...]
     row.update({key: results.get(key) for key in KINDS[run.kind].result_columns})
     row.update({"num_processes": results.get("num_processes"), "run_dir": str(run.run_dir)})
     return row
@@ -84,6 +85,10 @@ def summarize(rows: list[dict], sweeps: list[dict] | None = None) -> list[dict]:
                 entry[f"{key}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0 if values else None
         entry["loss_by_position"] = mean_loss_by_position([r["loss_by_position"] for r in done])
         entry["training_loss"] = mean_training_loss([r["training_loss"] for r in done])
+        names = dict.fromkeys(name for r in done for name in r.get("training_curves") or {})
+        entry["training_curves"] = {
+            name: mean_training_loss([(r.get("training_curves") or {}).get(name, []) for r in done]) for name in names
+        }
         summary_fields = KINDS[first["kind"]].summary_fields
         if summary_fields is not None:
             entry.update(summary_fields(done))
@@ -146,11 +151,26 @@ def markdown_report(cfg: dict, summary: list[dict], config_path: str, minutes: f
             lines += [f"- **{r['name']}** ({r['status']}): {r['error']}" for r in notes]
         label = kind.headline[1]
         lines += ["", f"![LRA-style chart]({plot_name('lra', task)})", f"![{label}]({plot_name(label, task)})"]
+        lines += curve_lines(rows)
         if any(r["training_loss"] for r in rows):
             lines.append(f"![training loss]({plot_name('training_loss', task)})")
         lines += [f"![{alt}]({plot_name(name, task)})" for alt, name in kind.images]
     lines += sweep_lines(sweeps or [])
     return "\n".join(lines) + "\n"
+
+
+def curve_lines(rows: list[dict]) -> list[str]:
+    """What each entry logged beside its training loss (DSA's ``indexer_kl``, ``distill_kl``): first -> last value."""
+    found = [
+        (r["name"], name, curve) for r in rows for name, curve in (r.get("training_curves") or {}).items() if curve
+    ]
+    if not found:
+        return []
+    lines = ["", "Logged beside the training loss (mean over seeds; first -> last logged step):", ""]
+    return lines + [
+        f"- **{entry}**: {name} {curve[0][1]:.4g} (step {curve[0][0]}) -> {curve[-1][1]:.4g} (step {curve[-1][0]})"
+        for entry, name, curve in found
+    ]
 
 
 def plot_name(kind: str, task: str) -> str:
@@ -220,10 +240,15 @@ def plot_training_loss(plt, task: str, rows: list[dict], out: Path) -> None:
 
 
 def csv_row(row: dict) -> dict:
-    """Nested values as JSON text: variant_params, loss_by_position ({bucket: loss}), training_loss ([[step, loss]])."""
+    """Nested values as JSON text: variant_params, loss_by_position ({bucket: loss}), training_loss ([[step, loss]]),
+    training_curves ({name: [[step, value]]})."""
     by_position = {b["bucket"]: b["loss"] for b in row["loss_by_position"] or []}
-    nested = {"variant_params": json.dumps(row["variant_params"]), "loss_by_position": json.dumps(by_position),
-              "training_loss": json.dumps(row.get("training_loss") or [])}
+    nested = {
+        "variant_params": json.dumps(row["variant_params"]),
+        "loss_by_position": json.dumps(by_position),
+        "training_loss": json.dumps(row.get("training_loss") or []),
+        "training_curves": json.dumps(row.get("training_curves") or {}),
+    }
     if "accuracy_by_distance" in row:
         by_distance = {b["bucket"]: b["accuracy"] for b in row["accuracy_by_distance"] or []}
         nested["accuracy_by_distance"] = json.dumps(by_distance)

@@ -82,12 +82,11 @@ def token_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels:
 class DistillingTrainer(Trainer):
     """The zoo's Trainer whose training loss mixes the LM loss with the KL to a frozen teacher's next-token
     distribution, normalized like the LM loss (by the batch's label tokens, over accumulation steps and processes).
-    Logs ``distill_kl``: the mean per-token KL since the last log."""
+    Logs ``distill_kl``: the mean per-token KL since the last log (:meth:`Trainer.add_logged`)."""
 
     def __init__(self, *args, teacher: torch.nn.Module, weight: float, temperature: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.teacher, self.weight, self.temperature = teacher, weight, temperature
-        self.kl_seen = [0.0, 0]
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
@@ -96,17 +95,10 @@ class DistillingTrainer(Trainer):
                 teacher_logits = self.teacher(input_ids=inputs["input_ids"],
                                               attention_mask=inputs.get("attention_mask"), use_cache=False).logits
             kl, tokens = token_kl(outputs.logits, teacher_logits, inputs["labels"], self.temperature)
-            self.kl_seen[0] += float(kl.detach())
-            self.kl_seen[1] += int(tokens)
+            self.add_logged("distill_kl", float(kl.detach()) / self.temperature**2, int(tokens))
             scaled = num_items_in_batch is not None and self.model_accepts_loss_kwargs
             kl = kl / (num_items_in_batch if scaled else tokens.clamp_min(1))
             if scaled and self.args.average_tokens_across_devices:
                 kl = kl * self.accelerator.num_processes  # as transformers scales the LM loss
             loss = (1 - self.weight) * loss + self.weight * kl
         return (loss, outputs) if return_outputs else loss
-
-    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        if self.kl_seen[1] and "loss" in logs:
-            logs["distill_kl"] = self.kl_seen[0] / self.kl_seen[1] / self.temperature**2
-            self.kl_seen = [0.0, 0]
-        super().log(logs, *args, **kwargs)

@@ -256,6 +256,7 @@ def train(run: ResolvedRun, plan: ResumePlan, started: float) -> dict | None:
         outcome = kind.outcome(cfg, out, computer, metrics, examples, label_names)
         speeds["wall_time_seconds"] = time.perf_counter() - started
         results = results_record(cfg, model, examples, outcome, speeds, launch, base_model)
+        results["training_curves"] = trainer.logged_curves()  # indexer_kl, distill_kl: [[step, mean], ...]
         if validation is not None:
             results["validation_metrics"] = validation
         (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
