@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from zoo.ops import expand_kv
 from zoo.pattern import Pattern
 from zoo.registry import UnknownVariantError, get_variant_class
 from zoo.variant import AttentionCall, Param, Variant, VariantParameterError, reference
@@ -37,6 +38,7 @@ class HybridAttention(Variant):
     time_complexity = "O(n²) at most: each layer's variant's own"
     memory_complexity = "O(n²) at most: each layer's variant's own"
     error_bound = 0.75  # the loosest built-in's (performer); refined per instance to the entries' largest
+    grouped_kv = True  # grouped-query keys reach each layer's variant as that variant takes them
     params = {
         "layers": Param(
             ["sdpa"], list, "one entry per layer (cycled): a variant name or {variant: name, params: {...}}"
@@ -89,6 +91,8 @@ class HybridAttention(Variant):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         part = self.part(call.layer_idx)
         part.check_call(call, where=f"in layer {call.layer_idx} of a 'hybrid'")
+        if not part.grouped_kv:
+            k, v = expand_kv(k, v, q.shape[1])
         return part.attend(q, k, v, call)
 
     def pattern(self, call: AttentionCall, q_len: int, kv_len: int) -> Pattern | None:

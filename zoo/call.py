@@ -13,7 +13,8 @@ import torch
 class AttentionCall:
     """Everything about one attention call except q/k/v, set once by the plug so kernels need not re-derive it.
 
-    q, k, v reach the kernel as (batch, heads, n, head_dim), grouped-query heads already expanded.
+    q, k, v reach the kernel as (batch, heads, n, head_dim), grouped-query heads already expanded (a variant with
+    ``grouped_kv`` gets k/v with the model's key/value heads).
 
     Attributes:
         causal: the model is causal (a decoder): keys after a query are never seen.

@@ -200,6 +200,8 @@ class Variant:
     * ``trains_every_parameter`` -- False if the kernel leaves some of the model's attention parameters without a
       gradient by design (``reformer``'s shared-QK leaves the key projection unused); distributed training then
       looks for unused parameters each step (DDP's ``find_unused_parameters``), which it skips otherwise.
+    * ``grouped_kv`` -- True if ``attend`` takes grouped-query keys unexpanded (k/v with H_kv heads, query head i
+      reading key/value head i // (H / H_kv)); False (the default): the plug repeats them to one per query head.
     * ``error_bound`` -- approximate variants: the max relative error (Frobenius norm of the
       difference over the norm of the reference) at default parameters on the contract suite's inputs.
       The reference is softmax attention restricted to ``pattern``, unless the variant defines an optional
@@ -217,6 +219,7 @@ class Variant:
     supports_bidirectional: ClassVar[bool] = True
     supports_dropout: ClassVar[bool] = True
     trains_every_parameter: ClassVar[bool] = True
+    grouped_kv: ClassVar[bool] = False
     time_complexity: ClassVar[str] = "O(n²)"
     memory_complexity: ClassVar[str] = "O(n²)"
     params: ClassVar[dict[str, Param]] = {}
@@ -423,7 +426,7 @@ class Variant:
 
         Args:
             q: (batch, heads, q_len, head_dim) queries.
-            k: (batch, heads, kv_len, head_dim) keys, grouped-query heads already expanded.
+            k: (batch, heads, kv_len, head_dim) keys, grouped-query heads already expanded (unless ``grouped_kv``).
             v: (batch, heads, kv_len, head_dim) values.
             call: everything else about the call (`zoo.call.AttentionCall`).
 

@@ -15,7 +15,7 @@ Example (``recipes/configs/eval/smollm2_cpu.yaml`` is the full one)::
       - {family: budget, policies: [tova, snapkv], budgets: [0.5, 0.25]}
       - {family: window, budgets: [0.25]}
       - {family: quantized, nbits: 4}
-      - {family: variant, variant: moba, params: {block: 64, top_k: 4}}
+      - {family: variant, variant: moba, params: {block_size: 64, top_k: 7}}
       - {family: folder, path: outputs/retrofit/model}
 """
 

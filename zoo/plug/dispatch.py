@@ -164,7 +164,9 @@ def run_variant(
         except flex.FlexRecompileLimitError as exc:  # never eager Flex: the chunked kernel (or, forced, an error)
             after_flex_failure(variant, exc)
     if out is None:
-        out = variant.attend(q, *expand_kv(k, v, q.shape[1]), call)
+        if not variant.grouped_kv:  # the variant's kernel expects one key/value head per query head
+            k, v = expand_kv(k, v, q.shape[1])
+        out = variant.attend(q, k, v, call)
     if call.padding_mask is not None and not call.cross_attention:
         # the queries are the last keys (the new tokens when a cache holds earlier ones)
         out = out.masked_fill(~call.padding_mask[:, None, -out.shape[-2] :, None], 0.0)
