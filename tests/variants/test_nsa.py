@@ -60,11 +60,22 @@ def naive(q, k, v, hidden, mask, weights, l, d, sel, top_n, w):  # noqa: E741  (
             for t in range(end - start):
                 seen = [i for i in blocks if i * d + l - 1 <= t]
                 heads_of = range(g * groups, (g + 1) * groups)
-                probs = {h: torch.softmax(torch.stack([q[b, h, start + t] @ ck[i] for i in seen]) * scale, 0)
-                         if seen else None for h in heads_of}
+                probs = {
+                    h: torch.softmax(torch.stack([q[b, h, start + t] @ ck[i] for i in seen]) * scale, 0)
+                    if seen
+                    else None
+                    for h in heads_of
+                }
                 own = t // sel
-                score = {j: sum(float(probs[h][seen.index(i)].detach()) * len(set(range(i, i + l // d)) & set(
-                    range(j * sel // d, (j + 1) * sel // d))) for h in heads_of for i in seen) for j in range(own + 1)}
+                score = {
+                    j: sum(
+                        float(probs[h][seen.index(i)].detach())
+                        * len(set(range(i, i + l // d)) & set(range(j * sel // d, (j + 1) * sel // d)))
+                        for h in heads_of
+                        for i in seen
+                    )
+                    for j in range(own + 1)
+                }
                 forced = sorted({0, own, max(own - 1, 0)})
                 rest = sorted((-score[j], j) for j in range(own + 1) if j not in forced)
                 chosen = forced + [j for _, j in rest[: top_n - len(forced)]]
@@ -72,8 +83,9 @@ def naive(q, k, v, hidden, mask, weights, l, d, sel, top_n, w):  # noqa: E741  (
                 window = list(range(max(0, t - w + 1), t + 1))
                 for h in heads_of:
                     o_cmp = probs[h] @ torch.stack([cv[i] for i in seen]) if seen else torch.zeros_like(values[0])
-                    o_slc, o_win = (torch.softmax(keys[s] @ q[b, h, start + t] * scale, 0) @ values[s]
-                                    for s in (picked, window))
+                    o_slc, o_win = (
+                        torch.softmax(keys[s] @ q[b, h, start + t] * scale, 0) @ values[s] for s in (picked, window)
+                    )
                     gate = gates[b, start + t, h]
                     out[b, h, start + t] = gate[0] * o_cmp + gate[1] * o_slc + gate[2] * o_win
     return out
@@ -101,8 +113,9 @@ def test_kernel_equals_the_per_query_loop(padding, n):
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
         weights.hidden_states = hidden
         call = make_call(True, mask, head_dim=DIM, weights=weights)
-        torch.testing.assert_close(reference(variant, q, *(x.repeat_interleave(2, 1) for x in (k, v)), call), out,
-                                   atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            reference(variant, q, *(x.repeat_interleave(2, 1) for x in (k, v)), call), out, atol=1e-5, rtol=1e-4
+        )
 
 
 def test_outputs_and_gradients_match_the_per_query_loop():
@@ -113,8 +126,10 @@ def test_outputs_and_gradients_match_the_per_query_loop():
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).masked_fill(~mask[:, None, :, None], 0)
     variant = NSAAttention(**SMALL)
     results = []
-    for attention in (lambda *x: kernel(variant, *x, mask, weights),
-                      lambda *x: naive(*x, mask, weights, 8, 4, 8, 5, 6)):
+    for attention in (
+        lambda *x: kernel(variant, *x, mask, weights),
+        lambda *x: naive(*x, mask, weights, 8, 4, 8, 5, 6),
+    ):
         weights.zero_grad()
         leaves = [x.clone().requires_grad_() for x in (q, k, v, hidden)]
         out = attention(*leaves)
@@ -158,8 +173,9 @@ def test_a_compressed_block_is_visible_only_once_complete():
     assert (o_cmp[..., : 8 - 1, :] == 0).all() and (o_cmp[..., 8 - 1, :] != 0).all()
     changed = k.clone()
     changed[..., 12:, :] += 5.0  # the second block (4 .. 11) ends before 12: no output before 12 may change
-    o_changed, _, _ = nsa_ops.nsa_branches(q, changed, v, call, geometry, weights.key_compressor,
-                                           weights.value_compressor, 1)
+    o_changed, _, _ = nsa_ops.nsa_branches(
+        q, changed, v, call, geometry, weights.key_compressor, weights.value_compressor, 1
+    )
     torch.testing.assert_close(o_changed[..., :12, :], o_cmp[..., :12, :])
     assert not torch.allclose(o_changed[..., 15, :], o_cmp[..., 15, :])  # block 2 (8 .. 15) is seen at 15
 
@@ -208,8 +224,9 @@ def test_a_kv_group_shares_its_selection_and_sums_its_heads():
     read = nsa_ops.selected_blocks_mask(blocks, chosen, 8, n, parts[5], None)
     assert torch.equal(read[:, 0], read[:, 1]) and torch.equal(read[:, 2], read[:, 3])
     assert not torch.equal(read[:, 1], read[:, 2])
-    alone = nsa_ops.span_parts(q[:, :1], *(x[:, :1] for x in expanded), call, geometry, weights.key_compressor,
-                               weights.value_compressor, 1)
+    alone = nsa_ops.span_parts(
+        q[:, :1], *(x[:, :1] for x in expanded), call, geometry, weights.key_compressor, weights.value_compressor, 1
+    )
     mine = nsa_ops.selected_blocks_mask(alone[3], alone[4], 8, n, alone[5], None)
     assert not torch.equal(mine[:, 0], read[:, 0]), "the group's choice is not head 0's own"
 
@@ -231,8 +248,9 @@ def test_bf16_runs_without_nan_and_stays_close_to_fp32():
 
 def test_no_quadratic_allocation_with_many_compressed_blocks():
     """n = 4096 with a stride of 4 (1,023 compressed blocks per query): still nothing of n²/8 elements."""
-    assert_memory_below_quadratic(NSAAttention(compress_stride=4, compress_block=8, select_block=32, top_n=8,
-                                               window=64))
+    assert_memory_below_quadratic(
+        NSAAttention(compress_stride=4, compress_block=8, select_block=32, top_n=8, window=64)
+    )
 
 
 def test_bidirectional_calls_are_refused():
@@ -241,12 +259,15 @@ def test_bidirectional_calls_are_refused():
         run_variant(NSAAttention(**SMALL), q, k, v, make_call(False, None, head_dim=DIM, weights=weights))
 
 
-@pytest.mark.parametrize(("params", "named"), [
-    ({"compress_block": 12, "compress_stride": 8}, "'compress_block'"),
-    ({"select_block": 20, "compress_stride": 8}, "'select_block'"),
-    ({"top_n": 2}, "'top_n'"),
-    ({"window": 0}, "'window'"),
-])
+@pytest.mark.parametrize(
+    ("params", "named"),
+    [
+        ({"compress_block": 12, "compress_stride": 8}, "'compress_block'"),
+        ({"select_block": 20, "compress_stride": 8}, "'select_block'"),
+        ({"top_n": 2}, "'top_n'"),
+        ({"window": 0}, "'window'"),
+    ],
+)
 def test_bad_parameters_are_refused_naming_the_parameter(params, named):
     with pytest.raises(VariantParameterError, match=named):
         NSAAttention(**params)
@@ -262,12 +283,61 @@ def test_the_per_query_loop_is_not_causal_dense_attention():
     assert not torch.allclose(out, dense, atol=1e-2)
 
 
+@pytest.mark.parametrize(
+    ("n", "width", "block"), [(45, 40, 16), (100, 16, 16), (10, 30, 16), (70, 7, 16), (300, 40, 16)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_window_and_selected_kernels_equal_dense_softmax(n, width, block, dtype):
+    """The CPU kernels of the window (runs of keys, a group's heads together) and of the selected blocks (by key
+    block) against dense softmax over the same keys: outputs and gradients of q, k, v (GQA, n not a block multiple,
+    windows shorter and longer than a block)."""
+    from zoo.ops.block_grouped import band_attention, block_grouped_attention
+    from zoo.ops.dropout import NO_DROPOUT
+
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, HEADS, n, DIM, generator=gen, dtype=dtype)
+    k, v = (torch.randn(2, KV_HEADS, n, DIM, generator=gen, dtype=dtype) for _ in range(2))
+    nb = -(-n // block)
+    scores = torch.rand(2, KV_HEADS, n, nb, generator=gen)
+    own = torch.arange(n) // block
+    earlier = torch.arange(nb) < own[:, None]
+    blocks, chosen = nsa_ops.top_blocks(scores, earlier & (torch.rand(2, KV_HEADS, n, nb, generator=gen) < 0.6), 3)
+    distance = torch.arange(n)[:, None] - torch.arange(n)
+    picked = nsa_ops.selected_blocks_mask(blocks, chosen, block, n, torch.arange(n), None)
+    picked = (picked | ((distance >= 0) & (own[:, None] == own[None, :]))).repeat_interleave(2, 1)
+    cases = [
+        (lambda *x: band_attention(*x, width, block, DIM**-0.5, NO_DROPOUT), (distance >= 0) & (distance < width)),
+        (lambda *x: block_grouped_attention(*x, blocks, chosen, block, DIM**-0.5, NO_DROPOUT), picked),
+    ]
+    grad = torch.randn(q.shape, generator=gen, dtype=dtype)
+    for fast, allowed in cases:
+        results = []
+        for attention in (
+            fast,
+            lambda q, k, v, allowed=allowed: softmax_attention(
+                q, *(x.repeat_interleave(2, 1) for x in (k, v)), allowed, DIM**-0.5
+            ),
+        ):
+            leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+            out = attention(*leaves)
+            results.append([out, *torch.autograd.grad(out, leaves, grad)])
+        for got, want in zip(*results, strict=True):
+            tolerance = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+            torch.testing.assert_close(got.float(), want.float(), **tolerance)
+
+
 # -- decoding -------------------------------------------------------------------------------------------------
 
 
 def tiny_llama(**params):
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, intermediate_size=64)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+    )
     zoo.configure(config, "nsa", **{**SMALL, "top_n": 4, **params})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -293,11 +363,14 @@ def test_decoding_cache_keeps_the_compressed_blocks_and_counts_them():
         count = int(layer.compressed[row])
         with torch.no_grad():
             blocks = layer.keys[row, :, start : start + count * 4 + 4].unfold(1, 8, 4).transpose(-1, -2)
-            torch.testing.assert_close(layer.compressed_keys[row, :, :count], weights.key_compressor(blocks),
-                                       atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(
+                layer.compressed_keys[row, :, :count], weights.key_compressor(blocks), atol=1e-5, rtol=1e-4
+            )
         assert layer.filled[row, :count].all()
-    extra = sum(x.numel() * x.element_size() for x in (layer.compressed_keys, layer.compressed_values, layer.filled,
-                                                       layer.compressed, layer.row_start))
+    extra = sum(
+        x.numel() * x.element_size()
+        for x in (layer.compressed_keys, layer.compressed_values, layer.filled, layer.compressed, layer.row_start)
+    )
     assert layer.nbytes() == GrowingLayer.nbytes(layer) + extra > GrowingLayer.nbytes(layer)
     assert cache_nbytes(out.past_key_values) == sum(x.nbytes() for x in out.past_key_values.layers)
 

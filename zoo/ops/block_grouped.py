@@ -13,6 +13,7 @@ Under attention dropout the parts run :mod:`zoo.ops.dropout`'s kernels.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from zoo.ops.dense import pad_to_multiple
 from zoo.ops.dropout import Dropout, attention_backward, attention_forward
@@ -181,3 +182,97 @@ class _Merge:
     def result(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(merged outputs in ``dtype``, log-sum-exps fp32)."""
         return (self.sums / self.mass[..., None]).to(dtype), self.base + torch.log(self.mass)
+
+
+def band_attention(q, k, v, width: int, block: int, scale: float, dropout: Dropout) -> torch.Tensor:
+    """Causal sliding window (0 <= t - s < ``width``) on the CPU flash kernels. q (B, H, n, D), k/v (B, H_kv, n, D)
+    (H = G·H_kv), no padding. Returns (B, H, n, Dv).
+
+    Each query block (the G heads of a KV head together) reads one contiguous run of keys, the ``front`` blocks
+    before it and its own, as an overlapping strided view of the keys (no gather): one flash call per chunk of
+    blocks under one shared band mask (the first blocks' own, so no key before position 0 counts); the backward
+    recomputes and folds the key gradients of the overlapping runs back."""
+    batch, heads, n, dim = q.shape
+    front, nb = -(-width // block), -(-n // block)
+    keys, values = (F.pad(x, (0, 0, front * block, nb * block - n)).flatten(0, 1) for x in (k, v))
+    plan = _BandPlan(width, front, block, nb, heads // k.shape[1], keys.shape[0], dim, q)
+    out = ChunkedFlash.apply(plan, scale, dropout, to_layout(q, k.shape[1], block), keys, values)
+    return from_layout(out, batch, heads, n, block)
+
+
+class ChunkedFlash(torch.autograd.Function):
+    """Attention chunk by chunk on the flash kernels, each chunk's keys and mask made by a ``plan`` when the chunk
+    runs (forward and backward, never all at once); outputs and log-sum-exps kept, each chunk recomputed in the
+    backward. ``plan.chunks()`` -> chunks; ``plan.pieces(chunk, keys, values)`` -> (where: q's rows as an index
+    tuple, keys, values, additive mask) or None (no key: zero output); ``plan.fold(chunk, grad, piece_grad)`` adds a
+    chunk's key (or value) gradients into the gradient of ``keys`` (or ``values``)."""
+
+    @staticmethod
+    def forward(ctx, plan, scale: float, dropout: Dropout, q, keys, values):
+        out = q.new_zeros(*q.shape[:-1], values.shape[-1])
+        lse = torch.zeros(q.shape[:-1], dtype=torch.float32, device=q.device)
+        for number, chunk in enumerate(plan.chunks()):
+            pieces = plan.pieces(chunk, keys, values)
+            if pieces is not None:
+                where, k, v, mask = pieces
+                out[where], lse[where] = attention_forward(q[where], k, v, mask, scale, dropout.child(number))
+        ctx.plan, ctx.scale, ctx.dropout = plan, scale, dropout
+        ctx.save_for_backward(q, keys, values, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, keys, values, out, lse = ctx.saved_tensors
+        plan = ctx.plan
+        grad = grad.contiguous()
+        grad_q, grad_keys, grad_values = torch.zeros_like(q), torch.zeros_like(keys), torch.zeros_like(values)
+        for number, chunk in enumerate(plan.chunks()):
+            pieces = plan.pieces(chunk, keys, values)
+            if pieces is None:
+                continue
+            where, k, v, mask = pieces
+            gq, gk, gv = attention_backward(
+                grad[where], q[where], k, v, out[where], lse[where], mask, ctx.scale, ctx.dropout.child(number)
+            )
+            grad_q[where] = gq
+            plan.fold(chunk, grad_keys, gk)
+            plan.fold(chunk, grad_values, gv)
+        return None, None, None, grad_q, grad_keys, grad_values
+
+
+class _BandPlan:
+    """:func:`band_attention`'s chunks: ranges of query blocks over their runs of keys (P, (front + nb)·block, D),
+    the first ``front`` blocks alone (their own masks), then about 2^21 key elements a chunk."""
+
+    def __init__(self, width: int, front: int, block: int, nb: int, heads: int, parts: int, dim: int, like) -> None:
+        self.front, self.block, self.nb, self.span = front, block, nb, (front + 1) * block
+        self.step = max(1, 2**21 // (parts * self.span * dim))
+        rows, cols = torch.arange(block, device=like.device)[:, None], torch.arange(self.span, device=like.device)
+        distance = rows + front * block - cols  # t - s
+        allowed = ((distance >= 0) & (distance < width)).repeat(heads, 1)  # rows repeated for the G heads
+        first = allowed & (cols >= (front - torch.arange(front, device=like.device)[:, None, None]) * block)
+        self.shared, self.first = additive_mask(allowed, like.dtype)[None, None], additive_mask(first, like.dtype)[None]
+
+    def chunks(self):
+        first = min(self.front, self.nb)
+        return [(0, first)] * (first > 0) + [(a, min(a + self.step, self.nb)) for a in range(first, self.nb, self.step)]
+
+    def pieces(self, chunk, keys, values):
+        start, stop = chunk
+        mask = self.first[:, start:stop] if start < self.front else self.shared
+        return (slice(None), slice(start, stop)), self._runs(keys, chunk), self._runs(values, chunk), mask
+
+    def fold(self, chunk, grad, piece_grad) -> None:
+        start, stop = chunk
+        for offset in range(self.front + 1):  # the runs overlap: run i's offset-th block is key block i + offset
+            rows = slice((start + offset) * self.block, (stop + offset) * self.block)
+            grad[:, rows] += piece_grad[:, :, offset * self.block : (offset + 1) * self.block].flatten(1, 2)
+
+    def _runs(self, x: torch.Tensor, chunk) -> torch.Tensor:
+        """Runs of query blocks start .. stop - 1 as a view (P, stop - start, span, D): run i starts at i·block."""
+        (start, stop), dim = chunk, x.shape[-1]
+        return x.as_strided(
+            (x.shape[0], stop - start, self.span, dim),
+            (x.stride(0), self.block * dim, dim, 1),
+            x.storage_offset() + start * self.block * dim,
+        )

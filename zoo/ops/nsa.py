@@ -31,9 +31,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from zoo.call import AttentionCall
-from zoo.ops.block_grouped import block_grouped_attention
+from zoo.ops.block_grouped import ChunkedFlash, band_attention, block_grouped_attention
 from zoo.ops.dense import pad_to_multiple, safe_softmax, softmax_attention
-from zoo.ops.dropout import Dropout, attention_backward, attention_forward
+from zoo.ops.dropout import Dropout
 from zoo.ops.flash import additive_mask, flash_available
 from zoo.ops.selection import (
     SCORE_CHUNK_ELEMENTS,
@@ -48,6 +48,7 @@ from zoo.ops.union import band_part, union_attention
 
 Compress = Callable[[torch.Tensor], torch.Tensor]  # (..., l, D) -> (..., D)
 QUERY_CHUNK = 256  # queries per flash call of the compressed branch: each reads the blocks up to its last visible one
+WINDOW_BLOCK = 128  # query blocks of the window on CPU: each reads a run of about w + 128 keys
 LOCAL_BLOCKS = 2  # the paper's "2 local blocks": the query's own selection block and the one before it
 
 
@@ -144,7 +145,9 @@ def compressed_attention(
     if flash_available(q):
         step = max(1, min(QUERY_CHUNK, SCORE_CHUNK_ELEMENTS // keys.shape[-2]))
         chunks = [slice(start, min(start + step, queries)) for start in range(0, queries, step)]
-        return _ChunkedFlash.apply(call.scaling, chunks, visible, Dropout.of(call), q, keys, values)
+        return ChunkedFlash.apply(
+            _VisiblePrefix(chunks, visible, q.dtype), call.scaling, Dropout.of(call), q, keys, values
+        )
     step = max(1, SCORE_CHUNK_ELEMENTS // (batch * heads * keys.shape[-2]))
     grads = torch.is_grad_enabled() and any(x.requires_grad for x in (q, keys, values))
     outs = []
@@ -155,64 +158,43 @@ def compressed_attention(
     return torch.cat(outs, 2)
 
 
-class _ChunkedFlash(torch.autograd.Function):
-    """q (B, H, Q, D) over keys/values (B, H, J, D) by chunks of queries on the flash kernels, each chunk over the
-    keys up to its last visible one; a chunk's additive mask is made from ``visible(rows)`` when the chunk runs
-    (forward and backward), never for all queries."""
+class _VisiblePrefix:
+    """:func:`compressed_attention`'s chunks (a :class:`zoo.ops.block_grouped.ChunkedFlash` plan): query ranges,
+    each over the keys up to the last one any of its queries sees."""
 
-    @staticmethod
-    def forward(ctx, scale, chunks, visible, dropout: Dropout, q, keys, values):
-        out = q.new_zeros(*q.shape[:-1], values.shape[-1])
-        lse = torch.zeros(q.shape[:-1], dtype=torch.float32, device=q.device)
-        for number, rows in enumerate(chunks):
-            width, mask = _visible_prefix(visible(rows), q.dtype)
-            if width:
-                out[:, :, rows], lse[:, :, rows] = attention_forward(
-                    q[:, :, rows], keys[:, :, :width], values[:, :, :width], mask, scale, dropout.child(number)
-                )
-        ctx.scale, ctx.chunks, ctx.visible, ctx.dropout = scale, chunks, visible, dropout
-        ctx.save_for_backward(q, keys, values, out, lse)
-        return out
+    def __init__(self, chunks, visible, dtype) -> None:
+        self.ranges, self.visible, self.dtype = chunks, visible, dtype
 
-    @staticmethod
-    def backward(ctx, grad):
-        q, keys, values, out, lse = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_q = torch.zeros_like(q)
-        grad_k, grad_v = torch.zeros_like(keys), torch.zeros_like(values)
-        for number, rows in enumerate(ctx.chunks):
-            width, mask = _visible_prefix(ctx.visible(rows), q.dtype)
-            if not width:
-                continue
-            gq, gk, gv = attention_backward(
-                grad[:, :, rows],
-                q[:, :, rows],
-                keys[:, :, :width],
-                values[:, :, :width],
-                out[:, :, rows],
-                lse[:, :, rows],
-                mask,
-                ctx.scale,
-                ctx.dropout.child(number),
-            )
-            grad_q[:, :, rows] = gq
-            grad_k[:, :, :width] += gk
-            grad_v[:, :, :width] += gv
-        return None, None, None, None, grad_q, grad_k, grad_v
+    def chunks(self):
+        return self.ranges
 
+    def pieces(self, rows, keys, values):
+        allowed = self.visible(rows)
+        seen = allowed.flatten(0, -2).any(0).nonzero()
+        if not len(seen):
+            return None
+        width = int(seen[-1]) + 1
+        return (
+            (slice(None), slice(None), rows),
+            keys[:, :, :width],
+            values[:, :, :width],
+            additive_mask(allowed[..., :width], self.dtype),
+        )
 
-def _visible_prefix(allowed: torch.Tensor, dtype: torch.dtype) -> tuple[int, torch.Tensor]:
-    """(keys up to the last one any query of the chunk sees, the additive mask over them)."""
-    seen = allowed.flatten(0, -2).any(0).nonzero()
-    width = int(seen[-1]) + 1 if len(seen) else 0
-    return width, additive_mask(allowed[..., :width], dtype)
+    def fold(self, rows, grad, piece_grad) -> None:
+        grad[:, :, : piece_grad.shape[2]] += piece_grad
 
 
 def window_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, window: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, window: int, groups: int = 1
 ) -> torch.Tensor:
-    """Causal sliding window (t - s < window) over one row span with as many queries as keys, on the band kernel."""
+    """Causal sliding window (t - s < window) over one row span with as many queries as keys, k/v with the KV heads
+    repeated ``groups`` times. On CPU without padding by block diagonals, a KV group's heads together
+    (:func:`zoo.ops.block_grouped.band_attention`); otherwise on the band kernel."""
     n = k.shape[-2]
+    if flash_available(q) and call.padding_mask is None:
+        block = min(WINDOW_BLOCK, max(16, -(-window // 16) * 16))
+        return band_attention(q, k[:, ::groups], v[:, ::groups], window, block, call.scaling, Dropout.of(call))
     block = min(128, max(16, -(-(window // 2) // 16) * 16))  # longformer's query blocks
     real = call.padding_mask if call.padding_mask is not None else q.new_ones(1, n, dtype=torch.bool)
     padded = [pad_to_multiple(x, block) for x in (q, k, v)]
@@ -252,7 +234,7 @@ def nsa_branches(
     return (
         compressed_attention(q, keys, values, visible, call),
         selected_attention(q, k, v, call, geometry.select, blocks, chosen, positions, groups),
-        window_attention(q, k, v, call, geometry.window),
+        window_attention(q, k, v, call, geometry.window, groups),
     )
 
 
