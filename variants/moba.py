@@ -9,8 +9,9 @@ causal dense attention. Bidirectional calls are refused: the gate is defined ove
 have no "own block" boundary to read up to), so use another variant there.
 
 Kernel (:mod:`zoo.ops.moba`): each row over its own span (:func:`zoo.ops.by_row_span`), the gate chunk by chunk of
-queries (O(n²·d / block) time, never n x n), then one gathered entry per query over its chosen blocks
-(:func:`zoo.ops.gathered_attention`: O(n·(top_k + 1)·block·d), chunks recomputed in the backward). The gate is a hard
+queries (O(n²·d / block) time, never n x n), then attention over the chosen blocks (O(n·(top_k + 1)·block·d)): on
+CPU by key block (:func:`zoo.ops.block_grouped.block_grouped_attention`, shared with NSA), otherwise one gathered
+entry per query (:func:`zoo.ops.gathered_attention`), recomputed in the backward. The gate is a hard
 choice and gets no gradient. :meth:`MoBAAttention.reference` is dense softmax attention restricted to the keys the
 kernel selects (tests only).
 
@@ -81,8 +82,9 @@ class MoBALayer(KernelStateLayer):
         super().__init__()
         self.block_size = block_size
 
-    def block_summaries(self, padding_mask: torch.Tensor | None, row_start: torch.Tensor | None,
-                        heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def block_summaries(
+        self, padding_mask: torch.Tensor | None, row_start: torch.Tensor | None, heads: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(means (B, heads, J, D) fp32, filled (B, J) bool) of the complete blocks of each row, brought up to date:
         O(new tokens · d) amortized, plus repeating the means to the ``heads`` query heads."""
         keys, block = self.keys, self.block_size

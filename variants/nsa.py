@@ -21,9 +21,11 @@ selection is a hard choice (no gradient); q, k, v, φ and the gates get gradient
 mix. Bidirectional calls are refused (every branch is defined over the past).
 
 Kernel (:mod:`zoo.ops.nsa`): compressed scores chunk by chunk of queries (O(n²·d_h/d), never n x n, recomputed in
-the backward), the selection from the same scores, the selected tokens as one gathered entry per query
-(O(n·top_n·l'·d_h)), the window on the band kernel (O(n·w·d_h)). :meth:`NSAAttention.reference` is the three
-branches as dense softmaxes restricted to the kernel's own choice, mixed by the same gates (tests only).
+the backward), the selection from the same scores, the selected tokens (O(n·top_n·l'·d_h)) and the window
+(O(n·w·d_h)). On CPU the three branches run flash kernels with a KV group's heads together: the selected blocks by
+key block (:func:`zoo.ops.block_grouped.block_grouped_attention`, MoBA's kernel), the window as runs of keys.
+:meth:`NSAAttention.reference` is the three branches as dense softmaxes restricted to the kernel's own choice, mixed
+by the same gates (tests only).
 
 Decoding (:class:`NSALayer`): every key and value plus, per row and KV head, the compressed key and value of every
 complete block (O(n/d) extra), each compressed once when the kernel first asks after it completes; a step costs
@@ -75,13 +77,15 @@ class NSAWeights(LayerWeights):
         """(B, H, Q, 3) gates of the last ``count`` tokens: from the hidden states inside a model; called alone, from
         the keys with the heads merged (:func:`zoo.ops.short_conv.gate_source`)."""
         hidden = self.hidden_states
-        source = gate_source(None if hidden is None else hidden[:, -count:], k[..., -count:, :],
-                             self.gate.in_features, "nsa")
+        source = gate_source(
+            None if hidden is None else hidden[:, -count:], k[..., -count:, :], self.gate.in_features, "nsa"
+        )
         gates = torch.sigmoid(self.gate(source.to(self.gate.weight.dtype)))
         return gates.unflatten(-1, (-1, 3)).transpose(1, 2).to(dtype)
 
-    def compress_rows(self, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, padding_mask, numbers,
-                      geometry: NSABlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def compress_rows(
+        self, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, padding_mask, numbers, geometry: NSABlocks
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Compressed keys/values (B, H_kv, J, d_h) of blocks ``numbers`` (J,) of each row, counted from ``starts``
         (B,), over k/v (B, H_kv, n, d_h), and ``filled`` (B, J): complete and holding a real token."""
         out = []
@@ -160,16 +164,21 @@ class NSAAttention(Variant):
     def _decode_branches(self, q, k, v, call: AttentionCall, weights: NSAWeights, groups: int):
         """New queries over every earlier key: compressed blocks from the variant's cache, or computed afresh."""
         geometry, n = self.geometry, k.shape[-2]
-        starts = call.row_start.to(q.device) if call.row_start is not None else torch.zeros(
-            q.shape[0], dtype=torch.long, device=q.device)
+        starts = (
+            call.row_start.to(q.device)
+            if call.row_start is not None
+            else torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
+        )
         layer = call.cache
         if isinstance(layer, NSALayer):
             keys, values, filled = layer.compressed_blocks(call.padding_mask, starts, weights)
         else:
-            numbers = torch.arange(int(complete_blocks(n, starts, geometry.compress, geometry.stride).max()),
-                                   device=q.device)
-            keys, values, filled = weights.compress_rows(k[:, ::groups], v[:, ::groups], starts, call.padding_mask,
-                                                         numbers, geometry)
+            numbers = torch.arange(
+                int(complete_blocks(n, starts, geometry.compress, geometry.stride).max()), device=q.device
+            )
+            keys, values, filled = weights.compress_rows(
+                k[:, ::groups], v[:, ::groups], starts, call.padding_mask, numbers, geometry
+            )
         return nsa_decode_branches(q, k, v, call, geometry, keys, values, filled, starts)
 
 
@@ -198,8 +207,9 @@ class NSALayer(KernelStateLayer):
         if total > first:
             numbers = torch.arange(first, total, device=keys.device)
             with torch.no_grad():
-                new_keys, new_values, filled = weights.compress_rows(keys, self.values, starts, padding_mask, numbers,
-                                                                     geometry)
+                new_keys, new_values, filled = weights.compress_rows(
+                    keys, self.values, starts, padding_mask, numbers, geometry
+                )
             self.compressed_keys = torch.cat([self.compressed_keys[:, :, :first], new_keys], 2)
             self.compressed_values = torch.cat([self.compressed_values[:, :, :first], new_values], 2)
             self.filled = torch.cat([self.filled[:, :first], filled], 1)

@@ -15,11 +15,15 @@ Geometry (:class:`NSABlocks`), in the coordinates of one row span (positions fro
   earlier block.
 * window: the last ``window`` tokens (t − s < window).
 
-Costs: compressed scores O(n·(n/d)·d_h) chunk by chunk of queries (never n x n; each chunk recomputed in the
-backward), the selection from the same scores, the selected attention O(n·top_n·l'·d_h) as one gathered entry per
-query (:func:`zoo.ops.selection.gathered_block_attention`), the window O(n·w·d_h) on the band kernel
-(:func:`zoo.ops.band_part`). The selection is a hard choice without gradient; gradients reach q, k, v (and the
-compression map) through the three softmaxes.
+Costs: compressed scores O(n·(n/d)·d_h) chunk by chunk of queries, each chunk over the blocks it sees (never
+n x n; each chunk recomputed in the backward), the selection from the same scores, the selected attention
+O(n·top_n·l'·d_h), the window O(n·w·d_h). On CPU without padding inside the span (the common case) every branch runs
+the flash kernels of :mod:`zoo.ops.block_grouped`, a KV group's query heads in the same calls: the compressed branch
+by query chunks (:class:`zoo.ops.block_grouped.ChunkedFlash`), the selected blocks by key block (the queries that
+chose a block in one call, :func:`zoo.ops.block_grouped.block_grouped_attention`, shared with MoBA), the window as a
+run of keys per query block (:func:`zoo.ops.block_grouped.band_attention`). Otherwise: one gathered entry per query
+(:func:`zoo.ops.selection.gathered_block_attention`) and the band kernel (:func:`zoo.ops.band_part`). The selection
+is a hard choice without gradient; gradients reach q, k, v (and the compression map) through the three softmaxes.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from zoo.call import AttentionCall
@@ -122,15 +127,27 @@ def select(
     numbers = torch.arange(count, device=q.device)
 
     def one(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        allowed = visible(rows)
+        width = min(blocks, max(1, visible_width(allowed)))  # the chunk's scores over the blocks it sees
         grouped = q[:, :, rows].float().unflatten(1, (kv_heads, heads // kv_heads))  # (B, H_kv, G, C, D)
-        scores = torch.einsum("bkgcd,bkjd->bkgcj", grouped, compressed_keys.float()) * scale
-        probs = safe_softmax(scores.masked_fill(~visible(rows)[:, :, None], float("-inf"))).sum(2)
-        ranked = block_scores(probs, geometry, count)  # (B, H_kv, C, count)
+        scores = torch.einsum("bkgcd,bkjd->bkgcj", grouped, compressed_keys[:, :, :width].float()) * scale
+        probs = safe_softmax(scores.masked_fill(~allowed[:, :, None, :, :width], float("-inf"))).sum(2)
         mine = own[:, None, rows, None]
-        forced = (numbers == 0) | ((numbers <= mine) & (numbers > mine - LOCAL_BLOCKS))
-        return top_blocks(ranked.masked_fill(forced, float("inf")), numbers <= mine, geometry.top_n)
+        reach = min(count, int(mine.max()) + 1)  # blocks at or before the chunk's last own block
+        ranked = block_scores(probs, geometry, reach)  # (B, H_kv, C, reach)
+        candidates = numbers[:reach]
+        forced = (candidates == 0) | ((candidates <= mine) & (candidates > mine - LOCAL_BLOCKS))
+        picked, chosen = top_blocks(ranked.masked_fill(forced, float("inf")), candidates <= mine, geometry.top_n)
+        missing = min(geometry.top_n, count) - picked.shape[-1]  # slots past the reachable blocks: never chosen
+        return F.pad(picked, (0, missing)), F.pad(chosen, (0, missing))
 
     return select_by_query_chunks(one, queries, batch * heads * (blocks + count), 2)
+
+
+def visible_width(allowed: torch.Tensor) -> int:
+    """Keys up to the last one any query of ``allowed`` (..., C, J) sees."""
+    seen = allowed.flatten(0, -2).any(0).nonzero()
+    return int(seen[-1]) + 1 if len(seen) else 0
 
 
 def compressed_attention(
@@ -170,10 +187,9 @@ class _VisiblePrefix:
 
     def pieces(self, rows, keys, values):
         allowed = self.visible(rows)
-        seen = allowed.flatten(0, -2).any(0).nonzero()
-        if not len(seen):
+        width = visible_width(allowed)
+        if not width:
             return None
-        width = int(seen[-1]) + 1
         return (
             (slice(None), slice(None), rows),
             keys[:, :, :width],
