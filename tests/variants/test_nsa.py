@@ -118,8 +118,16 @@ def test_kernel_equals_the_per_query_loop(padding, n):
         )
 
 
-def test_outputs_and_gradients_match_the_per_query_loop():
-    """fp32, a left-padded row, GQA: gradients of q, k, v, the hidden states and every learned weight."""
+@pytest.mark.parametrize("chunks", ["one", "many"])
+def test_outputs_and_gradients_match_the_per_query_loop(chunks, monkeypatch):
+    """fp32, a left-padded row, GQA: gradients of q, k, v, the hidden states and every learned weight; with the
+    query chunks of the selection and the compressed branch and the window's block chunks one call or many."""
+    if chunks == "many":
+        from zoo.ops import block_grouped, selection
+
+        monkeypatch.setattr(nsa_ops, "QUERY_CHUNK", 5)
+        monkeypatch.setattr(selection, "SCORE_CHUNK_ELEMENTS", 600)
+        monkeypatch.setattr(block_grouped, "RUN_CHUNK_ELEMENTS", 1)
     n = 37
     q, k, v, hidden, weights = inputs(n)
     mask = padding_mask("left", n, 5)

@@ -19,6 +19,9 @@ from zoo.ops.dense import pad_to_multiple
 from zoo.ops.dropout import Dropout, attention_backward, attention_forward
 from zoo.ops.flash import additive_mask
 
+# Key elements of the runs one window call reads (their gradients are as large): 8 MB in fp32.
+RUN_CHUNK_ELEMENTS = 2**21
+
 
 class KeyBlockGroups:
     """The queries of each (part, key block) with part = row·KV head: ``keys`` (K,) the flat key block p·nb + j of
@@ -242,11 +245,11 @@ class ChunkedFlash(torch.autograd.Function):
 
 class _BandPlan:
     """:func:`band_attention`'s chunks: ranges of query blocks over their runs of keys (P, (front + nb)·block, D),
-    the first ``front`` blocks alone (their own masks), then about 2^21 key elements a chunk."""
+    the first ``front`` blocks alone (their own masks), then about RUN_CHUNK_ELEMENTS key elements a chunk."""
 
     def __init__(self, width: int, front: int, block: int, nb: int, heads: int, parts: int, dim: int, like) -> None:
         self.front, self.block, self.nb, self.span = front, block, nb, (front + 1) * block
-        self.step = max(1, 2**21 // (parts * self.span * dim))
+        self.step = max(1, RUN_CHUNK_ELEMENTS // (parts * self.span * dim))
         rows, cols = torch.arange(block, device=like.device)[:, None], torch.arange(self.span, device=like.device)
         distance = rows + front * block - cols  # t - s
         allowed = ((distance >= 0) & (distance < width)).repeat(heads, 1)  # rows repeated for the G heads
