@@ -1,10 +1,12 @@
 """Shared attention kernels for variants -- a leaf: they see :class:`zoo.call.AttentionCall` and
 :class:`zoo.pattern.Pattern`, never a variant. GQA expansion, masks and softmax attention (``dense``), blocked attention
-(``blocked``), chunked gathered-block attention (``gathered``), unions of key sets merged into one softmax (``union``),
-the CPU flash wrappers (``flash``) and their counterparts with attention dropout (``dropout``: per-chunk masks redrawn
-in the backward, never stored), linear attention by chunked prefix sums (``linear``), few queries over their selected
-keys for decoding (``selected``), each row over its own real tokens (``spans``), any block-hinted pattern on those
-kernels (``patterned``), FlexAttention from a pattern (``flex``) and process-independent seeds (``seeds``)."""
+(``blocked``), chunked gathered-block attention (``gathered``), block-sparse attention by key block and by runs of keys
+on the CPU flash kernels (``block_grouped``: MoBA's and NSA's blocks, NSA's window), unions of key sets merged into one
+softmax (``union``), the CPU flash wrappers (``flash``) and their counterparts with attention dropout (``dropout``:
+per-chunk masks redrawn in the backward, never stored), linear attention by chunked prefix sums (``linear``), few
+queries over their selected keys for decoding (``selected``), each row over its own real tokens (``spans``), any
+block-hinted pattern on those kernels (``patterned``), FlexAttention from a pattern (``flex``) and process-independent
+seeds (``seeds``)."""
 
 from zoo.ops.blocked import (
     blocked_attention,
