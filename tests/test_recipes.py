@@ -35,7 +35,7 @@ RESULTS_KEYS = {
     "model_type", "architecture", "max_length", "num_labels", "label_names", "num_processes", "seed", "metrics",
     "train_tokens_per_second", "eval_tokens_per_second", "peak_memory_mb", "wall_time_seconds", "train_examples",
     "eval_examples", "max_steps", "num_train_epochs", "packages", "config", "distributed_type",
-    "accelerate_distributed_type", "world_size", "parameters",
+    "accelerate_distributed_type", "world_size", "parameters", "training_curves",
 }  # fmt: skip
 # 40 train examples, batch 8: 5 steps per epoch, so 8 steps cross an epoch and a resume at step 4 lands mid-epoch.
 # 13 test examples: not a multiple of 2 processes x 4, so the last evaluation batch is padded with repeats.
@@ -119,6 +119,7 @@ def test_smoke_finetune_writes_every_output(full_run):
     record = results(full_run)
     assert set(record) == RESULTS_KEYS
     assert record["variant"] == "sdpa" and record["num_processes"] == 1 and record["base_model"] is None
+    assert record["training_curves"] == {}  # sdpa logs no auxiliary loss (dsa's indexer_kl, distillation's distill_kl)
     assert set(record["metrics"]) == {"eval_accuracy", "eval_macro_f1", "eval_loss"}
     assert record["eval_examples"] == 13 and record["train_examples"] == 40 and record["max_steps"] == 8
     assert record["label_names"] == [str(d) for d in range(10)]
