@@ -61,12 +61,16 @@ def test_dispatch_expands_only_for_kernels_that_need_it(monkeypatch):
     assert window_heads == [(4, 4), (4, 4)]
 
 
-def test_a_gqa_hybrid_decodes_as_it_runs_without_a_cache():
+@pytest.mark.parametrize("variant, params", [
+    ("hybrid", {"layers": [{"variant": "gated_deltanet", "params": {"short_conv": 4}}, "sdpa"]}),
+    ("moba", {"block_size": 4, "top_k": 1}),
+], ids=["hybrid", "moba"])
+def test_grouped_key_decoding_equals_the_model_without_a_cache(variant, params):
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=6, num_key_value_heads=2)
     model = LlamaForCausalLM(config).eval()
-    zoo.configure(model, "hybrid", layers=[{"variant": "gated_deltanet", "params": {"short_conv": 4}}, "sdpa"])
+    zoo.configure(model, variant, **params)
     prompt = torch.randint(0, 64, (2, 12))
     mask = torch.ones_like(prompt)
     mask[0, :3] = 0  # left padding
@@ -75,3 +79,17 @@ def test_a_gqa_hybrid_decodes_as_it_runs_without_a_cache():
         plain = model.generate(prompt, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
                                use_cache=False)
     assert torch.equal(cached, plain)
+
+
+def test_moba_gathers_a_grouped_cache_as_an_expanded_one():
+    from zoo.ops import selection
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 1, 8), torch.randn(2, 2, 20, 8), torch.randn(2, 2, 20, 8)
+    key_pos = torch.randint(0, 20, (2, 6, 1, 5))
+    ok = torch.rand(2, 6, 1, 5) > 0.3
+    ok[..., 0] = True
+    call = AttentionCall(causal=True, scaling=8**-0.5, decoding=True)
+    grouped = selection.attention_at_positions(q, k, v, key_pos, ok, call)
+    expanded = selection.attention_at_positions(q, *expand_kv(k, v, 6), key_pos, ok, call)
+    assert torch.allclose(grouped, expanded, atol=1e-6)

@@ -25,7 +25,7 @@ import torch
 
 from zoo.cache import KernelStateLayer
 from zoo.cache.kernel_state import complete_blocks, row_blocks
-from zoo.ops import by_row_span, softmax_attention
+from zoo.ops import by_row_span, expand_kv, softmax_attention
 from zoo.ops.moba import decode_attention, masked_block_mean, moba_allowed, moba_attention, moba_flops
 from zoo.variant import AttentionCall, Param, Variant
 
@@ -33,6 +33,7 @@ from zoo.variant import AttentionCall, Param, Variant
 class MoBAAttention(Variant):
     name = "moba"
     exact = True  # softmax attention restricted to the keys it selects (its reference)
+    grouped_kv = True  # decoding gathers the chosen blocks from the grouped cache; the full forward expands
     supports_causal = True
     supports_bidirectional = False
     supports_dropout = True
@@ -46,10 +47,10 @@ class MoBAAttention(Variant):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         layer = call.cache
-        if call.decoding and isinstance(layer, MoBALayer):
+        if call.decoding and isinstance(layer, MoBALayer):  # grouped keys: gathered per query head, never expanded
             means, filled = layer.block_summaries(call.padding_mask, call.row_start, q.shape[1])
             return decode_attention(q, k, v, call, self.block_size, self.top_k, means, filled)
-        return by_row_span(self._attend_span, q, k, v, call)
+        return by_row_span(self._attend_span, q, *expand_kv(k, v, q.shape[1]), call)
 
     def _attend_span(self, q, k, v, call: AttentionCall) -> torch.Tensor:
         return moba_attention(q, k, v, call, self.block_size, self.top_k)

@@ -100,7 +100,8 @@ def decode_block_attention(q, k, v, call: AttentionCall, block: int, blocks, cho
 def attention_at_positions(q, k, v, key_pos: torch.Tensor, ok: torch.Tensor, call: AttentionCall) -> torch.Tensor:
     """Each query (B, H, Q, D) over the keys at ``key_pos`` (B, H, Q, K) where ``ok`` (and the padding mask) allow,
     one softmax: each chunk of queries gathers its keys (about GATHER_CHUNK_ELEMENTS per chunk). For few queries
-    (decoding): no recomputing backward."""
+    (decoding): no recomputing backward. ``k``/``v`` may hold grouped-query heads (H_kv dividing H): query head i reads
+    key/value head i // (H / H_kv), gathered directly instead of from a copy expanded to every query head."""
     batch, heads, count, dim = q.shape
     n = k.shape[-2]
     key_pos = key_pos.clamp(0, n - 1)
@@ -108,7 +109,7 @@ def attention_at_positions(q, k, v, key_pos: torch.Tensor, ok: torch.Tensor, cal
         rows = torch.arange(batch, device=q.device)[:, None, None, None]
         ok = ok & call.padding_mask[rows, key_pos]
     b = torch.arange(batch, device=q.device)[:, None, None]
-    h = torch.arange(heads, device=q.device)[None, :, None]
+    h = torch.div(torch.arange(heads, device=q.device), heads // k.shape[1], rounding_mode="floor")[None, :, None]
     outs = []
     chunk = max(1, GATHER_CHUNK_ELEMENTS // (batch * heads * key_pos.shape[-1] * dim))
     for start in range(0, count, chunk):
