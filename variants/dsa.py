@@ -161,11 +161,12 @@ class DSAAttention(Variant):
             loss = dense_indexer_kl(q.detach(), k.detach(), *indexer, call.scaling, call.padding_mask)
         else:
             index, chosen, indexer = self.selection(q, k, call)
-            out = token_attention(q, k, v, index, chosen, call)
+            out = token_attention(q, k, v, index, chosen, call, with_target=trains)
             if not trains:
                 return out
+            out, target = out
             real = None if call.padding_mask is None else call.padding_mask[:, -q.shape[-2]:].float()
-            loss = indexer_kl(q.detach(), k.detach(), *indexer, index, chosen, call.scaling, real)
+            loss = indexer_kl(q.detach(), k.detach(), *indexer, index, chosen, call.scaling, real, target)
         weights.last_loss = loss.detach()
         return _AddIndexerLoss.apply(out, loss * self.indexer_loss_weight)
 

@@ -12,6 +12,7 @@ from zoo.variants.dsa import DSAAttention, DSAIndexer, DSALayer, indexer_losses
 
 import zoo
 from zoo.cache import GrowingLayer, cache_nbytes
+from zoo.ops import dsa as dsa_ops
 from zoo.ops import softmax_attention
 from zoo.ops.dsa import dense_indexer_kl, indexer_kl, top_tokens
 from zoo.plug.dispatch import run_variant
@@ -279,3 +280,34 @@ def test_cache_rollback_forgets_the_indexer_keys_of_the_dropped_tokens():
     new = torch.randn(1, 1, 8)
     kept = layer.index_keys[:, :7].clone()
     assert torch.equal(layer.add_index_keys(new), torch.cat([kept, new], 1))
+
+
+# -- the kernel over a given selection ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [2**20, 3 * 16 * 2 * DIM], ids=["one-chunk", "many-chunks"])
+def test_token_kernel_equals_dense_softmax_over_the_same_keys(chunk, monkeypatch):
+    """The CPU kernel on a random selection (some slots unchosen, a query without keys, chunks all chosen and not):
+    outputs, gradients and the KL target against dense softmax restricted to the same keys."""
+    monkeypatch.setattr(dsa_ops, "CHUNK_ELEMENTS", chunk)
+    n, slots = 29, 5
+    q, k, v = qkv(n)
+    gen = torch.Generator().manual_seed(4)
+    index = torch.stack([torch.stack([torch.randperm(t + 1, generator=gen)[:slots].sort().values
+                                      if t + 1 >= slots else torch.arange(slots).clamp(max=t) for t in range(n)])
+                         for _ in range(2)])
+    chosen = torch.ones(2, n, slots, dtype=torch.bool)
+    chosen[:, :slots - 1] = torch.arange(slots) <= torch.arange(slots - 1)[:, None]  # the first queries: t + 1 keys
+    chosen[1, 20, :] = False  # no key at all: zero output and gradients
+    allowed = dsa_ops.selected_mask(index, chosen, n)[:, None]
+    call = make_call(True, None, head_dim=DIM)
+    grad_out = torch.randn(2, HEADS, n, DIM, generator=gen)
+    kernel = outputs_and_gradients(lambda *x: dsa_ops.token_attention(*x, index, chosen, call), (q, k, v), grad_out)
+    dense = outputs_and_gradients(lambda *x: softmax_attention(*x, allowed, DIM**-0.5), (q, k, v), grad_out)
+    for got, want in zip(kernel, dense, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    _, target = dsa_ops.token_attention(q, k, v, index, chosen, call, with_target=True)
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k).mul(DIM**-0.5).masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, -1).nan_to_num(0.0).sum(1)
+    probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-30)
+    torch.testing.assert_close(target * chosen, probs.gather(-1, index) * chosen, atol=1e-6, rtol=1e-5)

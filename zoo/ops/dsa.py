@@ -81,96 +81,130 @@ def selected_mask(index: torch.Tensor, chosen: torch.Tensor, n: int) -> torch.Te
 
 
 def token_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, chosen: torch.Tensor,
-                    call: AttentionCall) -> torch.Tensor:
+                    call: AttentionCall, with_target: bool = False):
     """(B, H, Q, Dv): each query over its selected keys (index/chosen (B, Q, k'), shared by the heads). CPU: chunked
-    flash with a recomputing backward; elsewhere one gather of every query's keys and one SDPA call."""
+    flash with a recomputing backward; elsewhere one gather of every query's keys and one SDPA call.
+    ``with_target``: also returns the indexer's KL target (B, Q, k') (:func:`indexer_kl`) from the gathered keys on
+    CPU, None elsewhere."""
     if flash_available(q):
-        return _TokenGathered.apply(q, k, v, index, chosen, call.scaling, Dropout.of(call))
+        out, target = _TokenGathered.apply(q, k, v, index, chosen, call.scaling, Dropout.of(call), with_target)
+        return (out, target) if with_target else out
     keys, values = (_gather(x, index) for x in (k, v))
     mask = (chosen | ~chosen.any(-1, keepdim=True))[:, None, :, None, :]  # a row without keys: zeroed below
     out = torch.nn.functional.scaled_dot_product_attention(
         q[..., None, :], keys, values, attn_mask=mask, dropout_p=call.effective_dropout, scale=call.scaling)
-    return out[..., 0, :].masked_fill(~chosen.any(-1)[:, None, :, None], 0.0)
+    out = out[..., 0, :].masked_fill(~chosen.any(-1)[:, None, :, None], 0.0)
+    return (out, None) if with_target else out
 
 
 def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x (B, H, n, D) at index (B, C, k') for every head: (B, H, C, k', D)."""
-    batch, heads = x.shape[:2]
-    b = torch.arange(batch, device=x.device)[:, None, None, None]
-    h = torch.arange(heads, device=x.device)[None, :, None, None]
-    return x[b, h, index[:, None]]
+    batch, heads, n, dim = x.shape
+    rows = x.reshape(-1, dim).index_select(0, _flat(index, heads, n).flatten())
+    return rows.view(batch, heads, *index.shape[1:], dim)
 
 
-def _query_chunks(q: torch.Tensor, count: int):
-    """Query ranges whose gathered keys hold about CHUNK_ELEMENTS elements."""
+def _flat(index: torch.Tensor, heads: int, n: int) -> torch.Tensor:
+    """Rows of the (B·H·n, D) view of a (B, H, n, D) tensor at index (B, C, k') for every head: (B, H, C, k')."""
+    start = torch.arange(index.shape[0] * heads, device=index.device).view(index.shape[0], heads, 1, 1) * n
+    return index[:, None] + start
+
+
+def _query_chunks(q: torch.Tensor, count: int, width: int | None = None):
+    """Query ranges whose gathered keys (``width`` channels each, default q's) hold about CHUNK_ELEMENTS elements."""
     batch, heads, length, dim = q.shape
-    step = max(1, CHUNK_ELEMENTS // max(1, batch * heads * count * dim))
+    step = max(1, CHUNK_ELEMENTS // max(1, batch * heads * count * (width or dim)))
     return [slice(start, min(start + step, length)) for start in range(0, length, step)]
 
 
 class _TokenGathered(torch.autograd.Function):
+    """Per chunk of queries, one gather of keys and values together (rows of k|v packed side by side) and one flash
+    problem per (query, head) over its k' keys; the backward gathers again and index-adds the key/value gradients.
+    Optionally the head-summed, L1-normalised probabilities (the indexer's KL target) from the same gathered keys."""
+
     @staticmethod
-    def forward(ctx, q, k, v, index, chosen, scale, dropout: Dropout):
+    def forward(ctx, q, k, v, index, chosen, scale, dropout: Dropout, with_target: bool):
         batch, heads, length, dim = q.shape
-        outs, lses = [], []
-        for number, rows in enumerate(_query_chunks(q, index.shape[-1])):
-            keys, values, mask, queries = _chunk_inputs(q, k, v, index, chosen, rows)
+        packed = torch.cat([k, v], -1)
+        outs, lses, targets = [], [], []
+        for number, rows in enumerate(_query_chunks(q, index.shape[-1], packed.shape[-1])):
+            keys, values, mask, queries = _chunk_inputs(q, packed, dim, index, chosen, rows)
             out, lse = attention_forward(queries, keys, values, mask, scale, dropout.child(number))
             outs.append(out.view(batch, heads, -1, v.shape[-1]))
             lses.append(lse.reshape(batch, heads, -1))
+            if with_target:
+                targets.append(_target(queries, keys, chosen[:, rows], scale, batch, heads))
         out, lse = torch.cat(outs, 2), torch.cat(lses, 2)
-        ctx.scale, ctx.dropout = scale, dropout
-        ctx.save_for_backward(q, k, v, index, chosen, out, lse)
-        return out
+        target = torch.cat(targets, 1) if with_target else None
+        ctx.scale, ctx.dropout, ctx.dim = scale, dropout, dim
+        ctx.save_for_backward(q, packed, index, chosen, out, lse)
+        if target is not None:
+            ctx.mark_non_differentiable(target)
+        return out, target
 
     @staticmethod
-    def backward(ctx, grad):
-        q, k, v, index, chosen, out, lse = ctx.saved_tensors
-        batch, heads = q.shape[:2]
+    def backward(ctx, grad, _):
+        q, packed, index, chosen, out, lse = ctx.saved_tensors
+        batch, heads, n, _ = packed.shape
+        dim = ctx.dim
         grad = grad.contiguous()
-        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        b = torch.arange(batch, device=q.device)[:, None, None, None]
-        h = torch.arange(heads, device=q.device)[None, :, None, None]
-        for number, rows in enumerate(_query_chunks(q, index.shape[-1])):
-            keys, values, mask, queries = _chunk_inputs(q, k, v, index, chosen, rows)
+        grad_q, grad_packed = torch.empty_like(q), torch.zeros_like(packed)
+        flat_grad = grad_packed.view(-1, packed.shape[-1])
+        for number, rows in enumerate(_query_chunks(q, index.shape[-1], packed.shape[-1])):
+            keys, values, mask, queries = _chunk_inputs(q, packed, dim, index, chosen, rows)
             flat = (x[:, :, rows].reshape(-1, 1, 1, x.shape[-1]) for x in (grad, out))
             gq, gk, gv = attention_backward(next(flat), queries, keys, values, next(flat),
                                             lse[:, :, rows].reshape(-1, 1, 1), mask, ctx.scale,
                                             ctx.dropout.child(number))
             grad_q[:, :, rows] = gq.view(batch, heads, -1, q.shape[-1])
-            where = (b, h, index[:, None, rows])
-            grad_k.index_put_(where, gk.view(batch, heads, -1, *gk.shape[-2:]), accumulate=True)
-            grad_v.index_put_(where, gv.view(batch, heads, -1, *gv.shape[-2:]), accumulate=True)
-        return grad_q, grad_k, grad_v, None, None, None, None
+            where = _flat(index[:, rows], heads, n).flatten()
+            flat_grad.index_add_(0, where, torch.cat([gk, gv], -1).view(where.shape[0], -1))
+        return grad_q, grad_packed[..., :dim], grad_packed[..., dim:], None, None, None, None, None
 
 
-def _chunk_inputs(q, k, v, index, chosen, rows: slice):
-    """Gathered keys/values (B·H·C, 1, k', D), additive mask (B·H·C, 1, 1, k') and queries (B·H·C, 1, 1, D)."""
+def _chunk_inputs(q, packed, dim: int, index, chosen, rows: slice):
+    """Gathered keys/values (B·H·C, 1, k', D) (views of one gather of ``packed`` = k|v), additive mask
+    (B·H·C, 1, 1, k') or None (every slot chosen) and queries (B·H·C, 1, 1, D)."""
     batch, heads = q.shape[:2]
-    keys, values = (_gather(x, index[:, rows]).flatten(0, 2)[:, None] for x in (k, v))
-    allowed = chosen[:, None, rows].expand(batch, heads, -1, -1).flatten(0, 2)[:, None, None, :]
-    queries = q[:, :, rows].reshape(-1, 1, 1, q.shape[-1])
-    return keys, values, additive_mask(allowed, q.dtype), queries
+    both = _gather(packed, index[:, rows]).flatten(0, 2)[:, None]
+    ok = chosen[:, rows]
+    mask = None
+    if not bool(ok.all()):
+        allowed = ok[:, None].expand(batch, heads, -1, -1).flatten(0, 2)[:, None, None, :]
+        mask = additive_mask(allowed, q.dtype)
+    return both[..., :dim], both[..., dim:], mask, q[:, :, rows].reshape(-1, 1, 1, q.shape[-1])
+
+
+def _target(queries, keys, ok, scale: float, batch: int, heads: int) -> torch.Tensor:
+    """(B, C, k') fp32: the chunk's attention probabilities (no dropout) summed over heads and L1-normalised."""
+    scores = torch.matmul(queries[:, 0].float(), keys[:, 0].float().transpose(-1, -2)).view(batch, heads, *ok.shape[1:])
+    probs = torch.softmax((scores * scale).masked_fill(~ok[:, None], float("-inf")), -1).nan_to_num(0.0).sum(1)
+    return probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
 
 
 def indexer_kl(q: torch.Tensor, k: torch.Tensor, index_q: torch.Tensor, index_w: torch.Tensor,
                index_k: torch.Tensor, index: torch.Tensor, chosen: torch.Tensor, scale: float,
-               query_real: torch.Tensor | None = None) -> torch.Tensor:
+               query_real: torch.Tensor | None = None, target: torch.Tensor | None = None) -> torch.Tensor:
     """The indexer's loss: mean over real queries of KL(p_t ‖ softmax over the selected keys of I(t, ·)), p_t the main
     attention's probabilities over the same keys summed over heads and L1-normalised (no gradient). Gradients reach
-    ``index_q``, ``index_w`` and ``index_k`` only. q (B, H, Q, D); k (B, H, n, D); selection (B, Q, k')."""
+    ``index_q``, ``index_w`` and ``index_k`` only. q (B, H, Q, D); k (B, H, n, D); selection (B, Q, k'); ``target``
+    (B, Q, k') those probabilities if already known (:func:`token_attention`'s ``with_target``)."""
     total = q.new_zeros((), dtype=torch.float32)
+    k = k.contiguous() if target is None else k
     for rows in _query_chunks(q, index.shape[-1]):
         picked, ok = index[:, rows], chosen[:, rows]
-        with torch.no_grad():
-            scores = torch.einsum("bhqd,bhqkd->bhqk", q[:, :, rows].float(), _gather(k, picked).float()) * scale
-            probs = torch.softmax(scores.masked_fill(~ok[:, None], float("-inf")), -1).nan_to_num(0.0).sum(1)
-            target = probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
+        if target is not None:
+            part = target[:, rows]
+        else:
+            with torch.no_grad():
+                scores = torch.einsum("bhqd,bhqkd->bhqk", q[:, :, rows].float(), _gather(k, picked).float()) * scale
+                probs = torch.softmax(scores.masked_fill(~ok[:, None], float("-inf")), -1).nan_to_num(0.0).sum(1)
+                part = probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
         keys = index_k.float()[torch.arange(index_k.shape[0], device=q.device)[:, None, None], picked]
         logits = torch.einsum("bqhd,bqkd->bqhk", index_q[:, rows].float(), keys).relu()
         scores = torch.einsum("bqhk,bqh->bqk", logits, index_w[:, rows].float())
         log_probs = torch.log_softmax(scores.masked_fill(~ok, float("-inf")), -1)
-        kl = (target * (target.clamp_min(1e-30).log() - log_probs)).masked_fill(~ok, 0.0).sum(-1)  # (B, C)
+        kl = (part * (part.clamp_min(1e-30).log() - log_probs)).masked_fill(~ok, 0.0).sum(-1)  # (B, C)
         if query_real is not None:
             kl = kl * query_real[:, rows]
         total = total + kl.sum()
