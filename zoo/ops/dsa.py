@@ -110,25 +110,25 @@ def _flat(index: torch.Tensor, heads: int, n: int) -> torch.Tensor:
     return index[:, None] + start
 
 
-def _query_chunks(q: torch.Tensor, count: int, width: int | None = None):
-    """Query ranges whose gathered keys (``width`` channels each, default q's) hold about CHUNK_ELEMENTS elements."""
+def _query_chunks(q: torch.Tensor, count: int):
+    """Query ranges whose gathered keys hold about CHUNK_ELEMENTS elements."""
     batch, heads, length, dim = q.shape
-    step = max(1, CHUNK_ELEMENTS // max(1, batch * heads * count * (width or dim)))
+    step = max(1, CHUNK_ELEMENTS // max(1, batch * heads * count * dim))
     return [slice(start, min(start + step, length)) for start in range(0, length, step)]
 
 
 class _TokenGathered(torch.autograd.Function):
-    """Per chunk of queries, one gather of keys and values together (rows of k|v packed side by side) and one flash
-    problem per (query, head) over its k' keys; the backward gathers again and index-adds the key/value gradients.
+    """Per chunk of queries, one index_select of the keys and one of the values (rows of the (B·H·n, D) views) and one
+    flash problem per (query, head) over its k' keys; the backward gathers again and index-adds the gradients.
     Optionally the head-summed, L1-normalised probabilities (the indexer's KL target) from the same gathered keys."""
 
     @staticmethod
     def forward(ctx, q, k, v, index, chosen, scale, dropout: Dropout, with_target: bool):
         batch, heads, length, dim = q.shape
-        packed = torch.cat([k, v], -1)
+        k, v = k.contiguous(), v.contiguous()
         outs, lses, targets = [], [], []
-        for number, rows in enumerate(_query_chunks(q, index.shape[-1], packed.shape[-1])):
-            keys, values, mask, queries = _chunk_inputs(q, packed, dim, index, chosen, rows)
+        for number, rows in enumerate(_query_chunks(q, index.shape[-1])):
+            keys, values, mask, queries = _chunk_inputs(q, k, v, index, chosen, rows)
             out, lse = attention_forward(queries, keys, values, mask, scale, dropout.child(number))
             outs.append(out.view(batch, heads, -1, v.shape[-1]))
             lses.append(lse.reshape(batch, heads, -1))
@@ -136,43 +136,43 @@ class _TokenGathered(torch.autograd.Function):
                 targets.append(_target(queries, keys, chosen[:, rows], scale, batch, heads))
         out, lse = torch.cat(outs, 2), torch.cat(lses, 2)
         target = torch.cat(targets, 1) if with_target else None
-        ctx.scale, ctx.dropout, ctx.dim = scale, dropout, dim
-        ctx.save_for_backward(q, packed, index, chosen, out, lse)
+        ctx.scale, ctx.dropout = scale, dropout
+        ctx.save_for_backward(q, k, v, index, chosen, out, lse)
         if target is not None:
             ctx.mark_non_differentiable(target)
         return out, target
 
     @staticmethod
     def backward(ctx, grad, _):
-        q, packed, index, chosen, out, lse = ctx.saved_tensors
-        batch, heads, n, _ = packed.shape
-        dim = ctx.dim
+        q, k, v, index, chosen, out, lse = ctx.saved_tensors
+        batch, heads, n, _ = k.shape
         grad = grad.contiguous()
-        grad_q, grad_packed = torch.empty_like(q), torch.zeros_like(packed)
-        flat_grad = grad_packed.view(-1, packed.shape[-1])
-        for number, rows in enumerate(_query_chunks(q, index.shape[-1], packed.shape[-1])):
-            keys, values, mask, queries = _chunk_inputs(q, packed, dim, index, chosen, rows)
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        flat_k, flat_v = grad_k.view(-1, k.shape[-1]), grad_v.view(-1, v.shape[-1])
+        for number, rows in enumerate(_query_chunks(q, index.shape[-1])):
+            keys, values, mask, queries = _chunk_inputs(q, k, v, index, chosen, rows)
             flat = (x[:, :, rows].reshape(-1, 1, 1, x.shape[-1]) for x in (grad, out))
             gq, gk, gv = attention_backward(next(flat), queries, keys, values, next(flat),
                                             lse[:, :, rows].reshape(-1, 1, 1), mask, ctx.scale,
                                             ctx.dropout.child(number))
             grad_q[:, :, rows] = gq.view(batch, heads, -1, q.shape[-1])
             where = _flat(index[:, rows], heads, n).flatten()
-            flat_grad.index_add_(0, where, torch.cat([gk, gv], -1).view(where.shape[0], -1))
-        return grad_q, grad_packed[..., :dim], grad_packed[..., dim:], None, None, None, None, None
+            flat_k.index_add_(0, where, gk.view(where.shape[0], -1))
+            flat_v.index_add_(0, where, gv.view(where.shape[0], -1))
+        return grad_q, grad_k, grad_v, None, None, None, None, None
 
 
-def _chunk_inputs(q, packed, dim: int, index, chosen, rows: slice):
-    """Gathered keys/values (B·H·C, 1, k', D) (views of one gather of ``packed`` = k|v), additive mask
-    (B·H·C, 1, 1, k') or None (every slot chosen) and queries (B·H·C, 1, 1, D)."""
+def _chunk_inputs(q, k, v, index, chosen, rows: slice):
+    """Gathered keys/values (B·H·C, 1, k', D), additive mask (B·H·C, 1, 1, k') or None (every slot chosen) and
+    queries (B·H·C, 1, 1, D)."""
     batch, heads = q.shape[:2]
-    both = _gather(packed, index[:, rows]).flatten(0, 2)[:, None]
+    keys, values = (_gather(x, index[:, rows]).flatten(0, 2)[:, None] for x in (k, v))
     ok = chosen[:, rows]
     mask = None
     if not bool(ok.all()):
         allowed = ok[:, None].expand(batch, heads, -1, -1).flatten(0, 2)[:, None, None, :]
         mask = additive_mask(allowed, q.dtype)
-    return both[..., :dim], both[..., dim:], mask, q[:, :, rows].reshape(-1, 1, 1, q.shape[-1])
+    return keys, values, mask, q[:, :, rows].reshape(-1, 1, 1, q.shape[-1])
 
 
 def _target(queries, keys, ok, scale: float, batch: int, heads: int) -> torch.Tensor:
