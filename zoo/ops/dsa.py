@@ -7,12 +7,15 @@ keys at positions ≤ t; the ``top_k`` highest scores win and ties go to the lat
 the dense reference and decoding. Scores are computed chunk by chunk of queries (O(n²·h·d_I) time, (chunk, n) at a
 time, never n x n) without gradient: the selection is a hard choice, shared by every attention head of the query.
 
-Attention over the selection (:func:`token_attention`): each chunk of queries gathers its keys per head and runs the
-flash kernel; the backward gathers again (recompute) and scatter-adds the key and value gradients. O(n·k·d) time,
-O(n·k) memory for the selection (shared by the heads) plus one chunk of gathered keys.
+Attention over the selection (:func:`token_attention`): each chunk of queries gathers its keys and values for every
+head with one ``index_select`` each (rows of the (B·H·n, D) views) and runs the flash kernel, one tiny problem per
+(query, head); the backward gathers again (recompute) and ``index_add_``s the key and value gradients. O(n·k·d) time,
+O(n·k) memory for the selection (shared by the heads) plus one chunk of gathered keys. The cost is the gather's memory
+traffic (H·D values of k and of v per selected key and query), not its arithmetic.
 
 Training the indexer (:func:`indexer_kl`): KL(p_t ‖ softmax_s I(t, s)) over each query's selected keys, p_t the main
-attention's probabilities summed over heads and L1-normalised (a detached target), as the paper's sparse stage.
+attention's probabilities summed over heads and L1-normalised (a detached target), as the paper's sparse stage; the
+kernel computes p_t from the keys it has just gathered (``with_target``), so the loss gathers no key again.
 """
 
 from __future__ import annotations
