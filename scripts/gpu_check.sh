@@ -4,11 +4,13 @@
 # (transformers 5.24 over the machine's 5.17, the project itself), then the environment, the Flex tests on CUDA
 # (forward + backward against the chunked kernels), `zoo bench` bf16 fwd+bwd at 8K and 32K for every exact pattern
 # variant on Flex against dense SDPA and transformers' Longformer/BigBird, the same variants on their chunked
-# kernels, the decode bench at 32K (CPU: `zoo bench --decode` measures there only), the fla backend's CUDA tests
-# (flash-linear-attention's kernels against the zoo's chunked recurrent kernels) and `zoo bench` bf16 fwd+bwd at 8K
-# and 32K of the recurrent variants on fla, then on the zoo's kernels (ATTENTION_ZOO_FLA=0), and FOLDER/summary.md:
-# each step's status, exit code, seconds and log, then its key table. Each step runs under its own timeout (budgets
-# sum to 560 s, under the device's 600 s a command); a failed step never stops the next.
+# kernels, the fla backend's CUDA tests (flash-linear-attention's kernels against the zoo's chunked recurrent
+# kernels, and fla's NSA selected-block kernel against the zoo's), `zoo bench` bf16 fwd+bwd at 8K and 32K of the
+# recurrent variants on fla, then on the zoo's kernels (ATTENTION_ZOO_FLA=0), the same for the content-chosen sparse
+# variants (moba, nsa, dsa) against sdpa and longformer, and FOLDER/summary.md: each step's status, exit code,
+# seconds and log, then its key table. Each step runs under its own timeout (budgets sum to 560 s, under the device's
+# 600 s a command); a failed step never stops the next. Decoding is measured on the CPU (`zoo bench --decode`), not
+# here: that bench runs on the CPU only.
 #
 #   bash scripts/gpu_check.sh [FOLDER]              # on the GPU machine, with .whl/ carried along with the tree
 #   bash scripts/gpu_check.sh --rehearse [FOLDER]   # anywhere, no GPU: every step resolved, nothing measured
@@ -52,9 +54,9 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_VERBOSITY=error TOKEN
 export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 
-STEPS=(install env flex-tests bench-flex-8k bench-flex-32k bench-chunked decode fla-tests bench-recurrent)
-declare -A BUDGET=([install]=15 [env]=30 [flex-tests]=100 [bench-flex-8k]=65 [bench-flex-32k]=90
-  [bench-chunked]=50 [decode]=70 [fla-tests]=60 [bench-recurrent]=80)
+STEPS=(install env flex-tests bench-flex-8k bench-flex-32k bench-chunked fla-tests bench-recurrent bench-sparse)
+declare -A BUDGET=([install]=15 [env]=30 [flex-tests]=85 [bench-flex-8k]=65 [bench-flex-32k]=70
+  [bench-chunked]=50 [fla-tests]=100 [bench-recurrent]=80 [bench-sparse]=65)
 declare -A TITLE=(
   [install]="the carried wheels (.whl/) installed into a target folder, the project wheel checked against the tree"
   [env]="GPU, versions and where each package comes from, FlexAttention's API, unmet requirements"
@@ -62,24 +64,23 @@ declare -A TITLE=(
   [bench-flex-8k]="zoo bench bf16 fwd+bwd, n = 8192: exact variants on Flex, dense SDPA, transformers' peers"
   [bench-flex-32k]="the same at n = 32768"
   [bench-chunked]="zoo bench bf16 fwd+bwd, n = 8192, 32768: the same variants on their chunked kernels (xformers: its own)"
-  [decode]="zoo bench --decode at n = 32768, per-token latency and cache bytes (on the CPU: --decode runs there only)"
   [fla-tests]="tests/variants/test_fla_backend.py on CUDA: fla's kernels against the zoo's recurrent kernels, fwd + bwd"
-  [bench-recurrent]="zoo bench bf16 fwd+bwd, n = 8192, 32768: recurrent variants on fla, then on the zoo's kernels")
+  [bench-recurrent]="zoo bench bf16 fwd+bwd, n = 8192, 32768: recurrent variants on fla, then on the zoo's kernels"
+  [bench-sparse]="zoo bench bf16 fwd+bwd causal, n = 8192, 32768: moba, nsa, dsa against sdpa and longformer")
 
 FLEX_CUDA_TESTS=tests/test_flex.py::test_cuda_flex_forward_and_backward_equal_the_chunked_kernel
-FLA_CUDA_TESTS="tests/variants/test_fla_backend.py -k test_cuda_"
+FLA_CUDA_TESTS="tests/variants/test_fla_nsa.py tests/variants/test_fla_backend.py -k test_cuda_"
 EXACT="longformer bigbird sparse_transformer xformers"
 BENCH="--device cuda --dtype bf16 --mode fwd+bwd --repeats 3 --warmup 1 --no_progress --variant_params xformers.window=512"
-# decode: the dense cache against a window with sinks, a window, a recurrent state; not transformers' Mistral, whose
-# 32K prefill builds an n x n mask (114 s on 2 cores here, against 18 s for transformers_sdpa)
-DECODE="--decode --device cpu --lengths 32768 --new_tokens 16 --max_seconds 40 --no_progress
-  --variants transformers_sdpa longformer xformers linear deltanet"
 # the recurrent variants (causal only): the same run on fla's kernels (CUDA bf16: the default when fla is installed)
 # and on the zoo's chunked kernels (ATTENTION_ZOO_FLA=0), dense SDPA once as the yardstick
 RECURRENT_VARIANTS="deltanet gated_deltanet gla"
 RECURRENT="--causal --device cuda --dtype bf16 --mode fwd+bwd --repeats 2 --warmup 1 --no_progress --lengths 8192 32768
   --max_seconds 15"
-export FLEX_CUDA_TESTS FLA_CUDA_TESTS EXACT BENCH DECODE RECURRENT_VARIANTS RECURRENT
+# the content-chosen sparse variants on the zoo's kernels (12 heads, no GQA: nsa's selected branch stays on the zoo's)
+SPARSE="--variants moba nsa dsa sdpa longformer --causal --device cuda --dtype bf16 --mode fwd+bwd --repeats 2
+  --warmup 1 --no_progress --lengths 8192 32768 --max_seconds 12"
+export FLEX_CUDA_TESTS FLA_CUDA_TESTS EXACT BENCH RECURRENT_VARIANTS RECURRENT SPARSE
 PLATFORM="--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any"
 export PLATFORM
@@ -144,7 +145,7 @@ zoo_bench() {  # the installed project's `zoo bench`; a rehearsal checks the arg
   [ "$MODE" = rehearse ] && dry=(--dry_run)
   "$PY" scripts/gpu_tools.py zoo bench "$@" "${dry[@]}"
 }
-# shellcheck disable=SC2086  # $EXACT, $BENCH and $DECODE are word lists
+# shellcheck disable=SC2086  # $EXACT and $BENCH are word lists
 step_bench_flex_8k() {
   zoo_bench --variants $EXACT sdpa hf_longformer hf_bigbird $BENCH --backend flex --lengths 8192 --max_seconds 30 \
     --output_dir "$DIR/bench-flex-8k"
@@ -157,17 +158,16 @@ step_bench_chunked() {
   zoo_bench --variants $EXACT sdpa $BENCH --backend chunked --lengths 8192 32768 --max_seconds 15 \
     --output_dir "$DIR/bench-chunked"
 }
-step_decode() {
-  zoo_bench $DECODE --output_dir "$DIR/decode"
-}
 step_bench_recurrent() {
   local rc=0 out=$DIR/bench-recurrent
   zoo_bench --variants $RECURRENT_VARIANTS sdpa $RECURRENT --output_dir "$out/fla" || rc=1
   ATTENTION_ZOO_FLA=0 zoo_bench --variants $RECURRENT_VARIANTS $RECURRENT --output_dir "$out/zoo" || rc=1
   return $rc
 }
+# shellcheck disable=SC2086
+step_bench_sparse() { zoo_bench $SPARSE --output_dir "$DIR/bench-sparse"; }
 export -f step_install step_env cuda_tests step_flex_tests zoo_bench step_bench_flex_8k step_bench_flex_32k \
-  step_bench_chunked step_decode step_fla_tests step_bench_recurrent
+  step_bench_chunked step_fla_tests step_bench_recurrent step_bench_sparse
 
 # --------------------------------------------------------------------------------------------------------------
 # running them, and the summary
@@ -234,9 +234,6 @@ key_table() {  # what one step produced that matters, in markdown
     bench-*)
       if [ "$MODE" = rehearse ]; then grep "^zoo bench --dry_run" "$log"; return; fi
       section "$DIR/$name/bench.md" "Time (s)" "Peak memory" "Against sdpa" "Against the matching peer" "Errors" ;;
-    decode)
-      if [ "$MODE" = rehearse ]; then grep "^zoo bench --dry_run" "$log"; return; fi
-      section "$DIR/$name/decode.md" "Milliseconds per generated token" "Cache bytes" "Against the peers" "Errors" ;;
   esac
 }
 

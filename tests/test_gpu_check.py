@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-STEPS = ["install", "env", "flex-tests", "bench-flex-8k", "bench-flex-32k", "bench-chunked", "decode", "fla-tests",
-         "bench-recurrent"]
+STEPS = ["install", "env", "flex-tests", "bench-flex-8k", "bench-flex-32k", "bench-chunked", "fla-tests",
+         "bench-recurrent", "bench-sparse"]
 
 
 def load_tools():
@@ -46,10 +46,11 @@ def test_the_rehearsal_resolves_every_step_without_a_gpu(tmp_path):
     budgets = [int(b) for b in re.findall(r"^\| [\w-]+ \| [^|]+ \| -?\d+ \| [\d.]+ \| (\d+) \|", summary, re.M)]
     assert len(budgets) == len(STEPS) and sum(budgets) <= 560  # the device's 600 s a command, less the summary
     assert "12 tests collected" in summary  # the Flex CUDA tests: 6 cases x fp32, bf16
-    assert "12/" in summary and "tests collected" in summary  # fla's: 4 kernels x (bf16, fp32 fallback) + 4 models
+    # fla's: 4 kernels x (bf16, fp32 fallback) + 4 models; nsa's selected blocks: 2 shapes + 1 model
+    assert "15/" in summary and "tests collected" in summary
     assert re.search(r"\| zoo package \| imports .* \| \S+attention-zoo-gpu-site", summary)  # the wheel, not the tree
     assert summary.count("zoo bench --dry_run: would run") == 6  # bench-recurrent: on fla, on the zoo's kernels
-    assert (tmp_path / "check" / "logs" / "decode.log").is_file()
+    assert (tmp_path / "check" / "logs" / "bench-sparse.log").is_file()
 
 
 def make_wheel(folder: Path, name: str, version: str, requires: list[str]) -> Path:

@@ -1,5 +1,6 @@
 """flash-linear-attention's triton kernels (fla 0.6.0, ``pip install "attention-zoo[fla]"``) as an optional CUDA
-backend of :func:`zoo.ops.delta_rule.delta_rule` and :func:`zoo.ops.gated_linear.gated_linear_attention`.
+backend of :func:`zoo.ops.delta_rule.delta_rule`, :func:`zoo.ops.gated_linear.gated_linear_attention` and the
+selected branch of ``nsa`` (:func:`zoo.ops.nsa.selected_attention`).
 
 Those entry points ask :func:`fla_kernel` first; it gives fla's function only when the call can run there with the
 same semantics, else None and the zoo's own chunked kernel runs:
@@ -21,6 +22,13 @@ scale and the initial state (B, H, d_k, d_v) fp32, ask for the final state (fp32
 in v's dtype. fla picks its own chunk size (the zoo's ``chunk_size`` changes rounding only). β is passed in q's dtype
 (fla's tested convention), log α in fp32 (as fla's layers pass it). Gradients flow to q, k, v, β, log α and the
 initial state through fla's own backward.
+
+NSA: only fla's selected-block kernel (``ParallelNSAFunction``: q of a KV group's heads against the blocks listed per
+query and KV head, causal inside, one softmax over their union) has the zoo's semantics; the zoo chooses the blocks
+itself (fla's ``parallel_nsa`` compresses by mean pooling with compression block = selection block and no stride,
+and runs its window on flash-attn). It takes a call with a KV group of 16, 32, ... query heads (its tiles hold a
+group), selection blocks of a power of two ≥ 16, no padding inside the span, as many queries as keys and no
+attention dropout. fla's MoBA (``parallel_moba``) needs the flash-attn package throughout, so it is not a backend.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ KERNELS = {  # the zoo's name -> (fla module, function)
     "gated_delta_rule": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
     "gla": ("fla.ops.gla", "chunk_gla"),
     "simple_gla": ("fla.ops.simple_gla", "chunk_simple_gla"),
+    "nsa_selected": ("fla.ops.nsa.parallel", "ParallelNSAFunction"),  # an autograd.Function: its .apply
 }
 
 logger = logging.getLogger(__name__)
@@ -121,3 +130,28 @@ def fla_gated_linear(kernel: Callable, q, k, v, log_decay, scale: float, initial
                             initial_state=None if initial_state is None else initial_state.float(),
                             output_final_state=True)
     return heads_second(out).to(v.dtype), final.float()
+
+
+def power_of_two(n: int, least: int) -> bool:
+    return n >= least and n & (n - 1) == 0
+
+
+def fla_nsa_kernel(q, k, v, call, size: int, groups: int):
+    """fla's selected-block kernel when this ``nsa`` selected-branch call may run on it (module docstring), else None.
+    q (B, H, Q, D); k, v (B, H, n, D) with each KV head repeated ``groups`` times."""
+    if not (power_of_two(groups, 16) and power_of_two(size, 16) and call.padding_mask is None
+            and q.shape[-2] == k.shape[-2] and call.effective_dropout == 0):
+        return None
+    return fla_kernel("nsa_selected", q, k, v)
+
+
+def fla_nsa_selected(kernel, q, k, v, blocks, chosen, size: int, scale: float) -> torch.Tensor:
+    """The selected branch by fla: q (B, H, n, D); k, v (B, H_kv, n, D); blocks, chosen (B, H_kv, n, R), a KV group's
+    choice. fla reads (B, n, H_kv, S) block numbers, S a power of two, -1 for a slot not chosen."""
+    slots = 1 << max(0, blocks.shape[-1] - 1).bit_length()
+    numbers = torch.where(chosen, blocks, -1)
+    numbers = torch.nn.functional.pad(numbers, (0, slots - blocks.shape[-1]), value=-1)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        out = kernel.apply(heads_second(q), heads_second(k), heads_second(v),
+                           heads_second(numbers).to(torch.int32).contiguous(), slots, size, float(scale), None)
+    return heads_second(out).to(v.dtype)

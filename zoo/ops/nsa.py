@@ -39,6 +39,7 @@ from zoo.call import AttentionCall
 from zoo.ops.block_grouped import ChunkedFlash, band_attention, block_grouped_attention
 from zoo.ops.dense import pad_to_multiple, safe_softmax, softmax_attention
 from zoo.ops.dropout import Dropout
+from zoo.ops.fla_backend import fla_nsa_kernel, fla_nsa_selected
 from zoo.ops.flash import additive_mask, flash_available
 from zoo.ops.selection import (
     SCORE_CHUNK_ELEMENTS,
@@ -258,7 +259,12 @@ def selected_attention(q, k, v, call: AttentionCall, size: int, blocks, chosen, 
     """The selected branch over one row span: blocks/chosen (B, H, Q, R) name each query's blocks (its own among
     them, as the selection forces it), the same for the ``groups`` query heads of a KV head. On CPU without padding
     and with as many queries as keys: by key block, each KV group's heads in one call
-    (:func:`zoo.ops.block_grouped.block_grouped_attention`); otherwise one gathered entry per query."""
+    (:func:`zoo.ops.block_grouped.block_grouped_attention`); on CUDA on fla's kernel where it applies
+    (:func:`zoo.ops.fla_backend.fla_nsa_kernel`); otherwise one gathered entry per query."""
+    if (kernel := fla_nsa_kernel(q, k, v, call, size, groups)) is not None:
+        return fla_nsa_selected(
+            kernel, q, k[:, ::groups], v[:, ::groups], blocks[:, ::groups], chosen[:, ::groups], size, call.scaling
+        )
     if not (flash_available(q) and call.padding_mask is None and q.shape[-2] == k.shape[-2]):
         return gathered_block_attention(q, k, v, call, size, blocks, chosen, positions)
     blocks, chosen = blocks[:, ::groups], chosen[:, ::groups]
