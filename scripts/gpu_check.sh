@@ -14,7 +14,10 @@
 #
 #   bash scripts/gpu_check.sh [FOLDER]              # on the GPU machine, with .whl/ carried along with the tree
 #   bash scripts/gpu_check.sh --rehearse [FOLDER]   # anywhere, no GPU: every step resolved, nothing measured
+#   bash scripts/gpu_check.sh --steps=fla-tests,bench-sparse   # install, env and the steps named, in their order
 #
+# The first run on an H200 (2026-12-04) needed more than one 600 s call: compiling Flex for 7 contestants and fla's
+# kernels for 3 outran their budgets; --steps splits the check over calls.
 # FOLDER: default $OUT (the device tool's; the files are then packed into summary.md and gpu-check.tar.gz, since
 # at most 8 files come back from there; --pack does the same elsewhere), else runs/gpu. Python: $PYTHON, else
 # python3 (a rehearsal takes .venv/bin/python when python3 has no torch). Wheels: $GPU_CHECK_WHEELS, else .whl.
@@ -22,11 +25,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
-MODE=run PACK=0 DIR=
+MODE=run PACK=0 DIR= ONLY=
 for arg in "$@"; do
   case $arg in
     --rehearse) MODE=rehearse ;;
     --pack) PACK=1 ;;
+    --steps=*) ONLY=${arg#--steps=} ;;
     -h | --help) usage; exit 0 ;;
     -*) echo "gpu_check: unknown option $arg" >&2; usage >&2; exit 2 ;;
     *) DIR=$arg ;;
@@ -118,7 +122,7 @@ step_env() {
     nvidia-smi
     "$PY" scripts/gpu_tools.py env --site "$SITE" --out "$DIR/env/env.md"
     rc=$?
-    "$PY" -m xformers.info 2>&1 | head -n 80  # which of xformers' operators can run here
+    timeout 15 "$PY" -m xformers.info 2>&1 | head -n 80  # which of xformers' operators run here (hung once: 30 s)
     return $rc
   fi
   "$PY" scripts/gpu_tools.py env --site "$SITE" --out "$DIR/env/env.md" --rehearse
@@ -270,6 +274,16 @@ render_summary() {
   done < "$DIR/steps.tsv"
 }
 
+if [ -n "$ONLY" ]; then
+  chosen=(install env)
+  for name in "${STEPS[@]}"; do
+    [[ ",$ONLY," == *",$name,"* && $name != install && $name != env ]] && chosen+=("$name")
+  done
+  for name in ${ONLY//,/ }; do
+    [ -n "${BUDGET[$name]:-}" ] || { echo "gpu_check: no step $name (steps: ${STEPS[*]})" >&2; exit 2; }
+  done
+  STEPS=("${chosen[@]}")
+fi
 for name in "${STEPS[@]}"; do run_step "$name"; done
 render_summary > "$DIR/summary.md"
 failed=$(awk -F '\t' '$3 != 0' "$DIR/steps.tsv" | wc -l)

@@ -118,3 +118,19 @@ def test_the_api_check_names_what_torch_or_transformers_lacks():
     assert tools.missing_api("transformers", tools.TRANSFORMERS_API) == []
     assert tools.missing_api("transformers", {"masking_utils.no_such_mask": [], "AttentionInterface.register": [
         "no_such_keyword"]}) == ["masking_utils.no_such_mask", "AttentionInterface.register(no_such_keyword=)"]
+
+
+def test_steps_selects_install_env_and_the_steps_named(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env.update(PYTHON=sys.executable, GPU_CHECK_WHEELS=str(tmp_path / "no-wheels"))
+
+    def check(*args):
+        return subprocess.run(["bash", "scripts/gpu_check.sh", "--rehearse", *args, str(tmp_path / "check")],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+    result = check("--steps=bench-sparse,install")
+    summary = (tmp_path / "check" / "summary.md").read_text()
+    assert result.returncode == 0, summary
+    assert re.findall(r"^\| ([\w-]+) \| ok \|", summary, re.M) == ["install", "env", "bench-sparse"]
+    result = check("--steps=no-such-step")
+    assert result.returncode == 2 and "no step no-such-step" in result.stderr

@@ -51,12 +51,20 @@ def choice(batch: int, kv_heads: int, n: int, size: int, slots: int, seed: int =
 
 
 def branch_inputs(batch=2, groups=16, n=100, dim=32, size=16, slots=5, dtype=torch.float32, device="cpu"):
+    """q (B, groups, n, D) and one KV head's k, v (B, 1, n, D), leaves; the KV group's blocks, chosen."""
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(batch, groups, n, dim, generator=gen)
-    k, v = (torch.randn(batch, 1, n, dim, generator=gen).repeat_interleave(groups, 1) for _ in range(2))
+    k, v = (torch.randn(batch, 1, n, dim, generator=gen) for _ in range(2))
     blocks, chosen = choice(batch, 1, n, size, slots)
     tensors = [x.to(device, dtype).requires_grad_() for x in (q, k, v)]
-    return (*tensors, blocks.to(device).repeat_interleave(groups, 1), chosen.to(device).repeat_interleave(groups, 1))
+    return (*tensors, blocks.to(device), chosen.to(device))
+
+
+def as_the_plug_gives(q, k, v, blocks, chosen):
+    """k, v, blocks, chosen with the KV head repeated once per query head, as the plug hands them to a kernel (the
+    gradients of the repeats sum back into the KV head)."""
+    groups = q.shape[1]
+    return q, *(x.repeat_interleave(groups, 1) for x in (k, v, blocks, chosen))
 
 
 def call_of(q, padding_mask=None, dropout=0.0):
@@ -64,12 +72,15 @@ def call_of(q, padding_mask=None, dropout=0.0):
                                  training=False)
 
 
-def selected(q, k, v, blocks, chosen, size, groups):
+def selected(q, k, v, blocks, chosen, size):
+    """The selected branch of one KV group (``branch_inputs``)."""
     positions = torch.arange(k.shape[-2], device=q.device)
-    return nsa_ops.selected_attention(q, k, v, call_of(q), size, blocks, chosen, positions, groups)
+    q, k, v, blocks, chosen = as_the_plug_gives(q, k, v, blocks, chosen)
+    return nsa_ops.selected_attention(q, k, v, call_of(q), size, blocks, chosen, positions, q.shape[1])
 
 
 def reference(q, k, v, blocks, chosen, size):
+    q, k, v, blocks, chosen = as_the_plug_gives(q, k, v, blocks, chosen)
     n = k.shape[-2]
     mask = selected_blocks_mask(blocks, chosen, size, n, torch.arange(n, device=q.device), None)
     return softmax_attention(q.float(), k.float(), v.float(), mask, q.shape[-1] ** -0.5)
@@ -121,15 +132,26 @@ def test_the_adapter_hands_fla_its_layout(monkeypatch):
     restricted to the zoo's choice; without it the zoo's CPU kernel does too."""
     q, k, v, blocks, chosen = branch_inputs()
     want = reference(q, k, v, blocks, chosen, 16)
-    torch.testing.assert_close(selected(q, k, v, blocks, chosen, 16, 16), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(selected(q, k, v, blocks, chosen, 16), want, atol=1e-5, rtol=1e-5)
     StandInNSA.calls = []
     monkeypatch.setattr(fla_backend, "_loaded", {"nsa_selected": StandInNSA})
     monkeypatch.setattr(fla_backend, "applies", lambda q, k, v: True)
-    got = selected(q, k, v, blocks, chosen, 16, 16)
+    got = selected(q, k, v, blocks, chosen, 16)
     assert StandInNSA.calls == [8]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     got.square().sum().backward()
     assert all(x.grad is not None and x.grad.abs().sum() > 0 for x in (q, k, v))
+
+
+def test_routed_gradients_equal_the_gathered_kernel_the_cuda_path_runs(monkeypatch):
+    """The CUDA comparison below, on the CPU: the zoo's gathered kernel (what CUDA runs without fla) against the
+    stand-in, forward and the gradients of q and of the KV head's k, v (summed over its repeats)."""
+    args = branch_inputs(n=120, dim=16)
+    monkeypatch.setattr(nsa_ops, "flash_available", lambda q: False)
+    want = forward_backward(*args, 16)
+    monkeypatch.setattr(fla_backend, "_loaded", {"nsa_selected": StandInNSA})
+    monkeypatch.setattr(fla_backend, "applies", lambda q, k, v: True)
+    assert_close_ratio(want, forward_backward(*args, 16), 1e-5, 1e-5)
 
 
 def test_nsa_selected_asks_the_backend():
@@ -140,10 +162,10 @@ def test_nsa_selected_asks_the_backend():
 # CUDA with fla
 
 
-def forward_backward(q, k, v, blocks, chosen, size, groups) -> dict:
+def forward_backward(q, k, v, blocks, chosen, size) -> dict:
     for x in (q, k, v):
         x.grad = None
-    out = selected(q, k, v, blocks, chosen, size, groups)
+    out = selected(q, k, v, blocks, chosen, size)
     d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.device)
     (out.float() * d_out).sum().backward()
     return {"out": out.detach().float(), "dq": q.grad.float(), "dk": k.grad.float(), "dv": v.grad.float()}
@@ -156,11 +178,11 @@ def test_cuda_nsa_selected_on_fla_equals_the_zoo_kernel(monkeypatch, n, size, sl
     calls = []
     monkeypatch.setattr(nsa_ops, "fla_nsa_selected", counted(fla_backend.fla_nsa_selected, calls))
     args = branch_inputs(n=n, dim=64, size=size, slots=slots, dtype=torch.bfloat16, device="cuda")
-    got = forward_backward(*args, size, 16)
+    got = forward_backward(*args, size)
     assert calls, "the selected branch did not reach fla"
     monkeypatch.setenv(fla_backend.ENV, "0")
     calls.clear()
-    want = forward_backward(*args, size, 16)
+    want = forward_backward(*args, size)
     assert not calls
     assert_close_ratio(want, got, OUT_TOL, GRAD_TOL)
     assert_close_ratio({"out": reference(*args, size)}, {"out": got["out"]}, OUT_TOL, GRAD_TOL)
