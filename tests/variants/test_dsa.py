@@ -13,7 +13,7 @@ from zoo.variants.dsa import DSAAttention, DSAIndexer, DSALayer, indexer_losses
 import zoo
 from zoo.cache import GrowingLayer, cache_nbytes
 from zoo.ops import dsa as dsa_ops
-from zoo.ops import softmax_attention
+from zoo.ops import gathered, softmax_attention
 from zoo.ops.dsa import dense_indexer_kl, indexer_kl, top_tokens
 from zoo.plug.dispatch import run_variant
 from zoo.testing import make_call, make_weights, reference
@@ -124,9 +124,13 @@ def outputs_and_gradients(attention, inputs, grad_out) -> list[torch.Tensor]:
     return [out.detach(), *torch.autograd.grad(out, leaves, grad_out)]
 
 
-@pytest.mark.parametrize(("dtype", "padded"), [(torch.float32, False), (torch.float64, False), (torch.float32, True)],
-                         ids=["flash", "gathered-sdpa", "left-padded"])
-def test_outputs_and_gradients_match_the_per_query_loop(dtype, padded):
+@pytest.mark.parametrize(("dtype", "padded", "chunks"),
+                         [(torch.float32, False, 0), (torch.float64, False, 0), (torch.float32, True, 0),
+                          (torch.float64, True, 7)],
+                         ids=["flash", "gathered-sdpa", "left-padded", "gathered-sdpa-in-chunks"])
+def test_outputs_and_gradients_match_the_per_query_loop(monkeypatch, dtype, padded, chunks):
+    if chunks:  # the off-CPU-flash path in many chunks of at most 7 SDPA entries (CUDA: 2^15)
+        monkeypatch.setattr(gathered, "DEVICE_CHUNK_ENTRIES", chunks)
     n, top_k = 37, 6
     q, k, v = qkv(n, dtype=dtype)
     mask = left_padded(n, 5) if padded else None

@@ -12,9 +12,9 @@ from zoo.variants.moba import MoBAAttention, MoBALayer
 
 import zoo
 from zoo.cache import GrowingLayer, cache_nbytes
+from zoo.ops import gathered, softmax_attention
 from zoo.ops import moba as moba_ops
 from zoo.ops import selection as selection_ops
-from zoo.ops import softmax_attention
 from zoo.plug.dispatch import run_variant
 from zoo.testing import make_call, reference
 
@@ -149,10 +149,14 @@ def outputs_and_gradients(attention, inputs, grad_out) -> list[torch.Tensor]:
     return [out.detach(), *torch.autograd.grad(out, leaves, grad_out)]
 
 
-@pytest.mark.parametrize(("dtype", "padded"), [(torch.float32, False), (torch.float64, False), (torch.float32, True)],
-                         ids=["block-grouped", "per-query", "left-padded"])
-def test_outputs_and_gradients_match_the_per_query_loop(dtype, padded):
+@pytest.mark.parametrize(("dtype", "padded", "chunks"),
+                         [(torch.float32, False, 0), (torch.float64, False, 0), (torch.float32, True, 0),
+                          (torch.float64, True, 7)],
+                         ids=["block-grouped", "per-query", "left-padded", "per-query-in-chunks"])
+def test_outputs_and_gradients_match_the_per_query_loop(monkeypatch, dtype, padded, chunks):
     """fp32 on CPU runs the kernel grouped by key block, fp64 the gathered one per query: both equal the loop."""
+    if chunks:  # the off-CPU-flash path in many chunks of at most 7 SDPA entries (CUDA: 2^15)
+        monkeypatch.setattr(gathered, "DEVICE_CHUNK_ENTRIES", chunks)
     n, block, top_k = 45, 6, 2
     q, k, v = (x.to(dtype) for x in qkv(n))
     mask = left_padded(2, n, 5) if padded else None

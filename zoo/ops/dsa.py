@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from zoo.call import AttentionCall
 from zoo.ops.dropout import Dropout, attention_backward, attention_forward
 from zoo.ops.flash import additive_mask, flash_available
+from zoo.ops.gathered import device_chunks, recomputed
 from zoo.ops.selection import SCORE_CHUNK_ELEMENTS, select_by_query_chunks
 
 # Gathered key elements per attention chunk (4 MB in fp32).
@@ -86,18 +87,26 @@ def selected_mask(index: torch.Tensor, chosen: torch.Tensor, n: int) -> torch.Te
 def token_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, chosen: torch.Tensor,
                     call: AttentionCall, with_target: bool = False):
     """(B, H, Q, Dv): each query over its selected keys (index/chosen (B, Q, k'), shared by the heads). CPU: chunked
-    flash with a recomputing backward; elsewhere one gather of every query's keys and one SDPA call.
+    flash with a recomputing backward; elsewhere chunks of queries (:func:`zoo.ops.gathered.device_chunks`), each
+    one gather and one SDPA call, recomputed in the backward.
     ``with_target``: also returns the indexer's KL target (B, Q, k') (:func:`indexer_kl`) from the gathered keys on
     CPU, None elsewhere."""
     if flash_available(q):
         out, target = _TokenGathered.apply(q, k, v, index, chosen, call.scaling, Dropout.of(call), with_target)
         return (out, target) if with_target else out
+    batch, heads, count, dim = q.shape
+    chunks = device_chunks(count, batch * heads * index.shape[-1] * max(dim, v.shape[-1]), batch * heads)
+    out = torch.cat([recomputed(_token_sdpa, q[:, :, r], k, v, index[:, r], chosen[:, r], call) for r in chunks], 2)
+    return (out, None) if with_target else out
+
+
+def _token_sdpa(q, k, v, index, chosen, call: AttentionCall) -> torch.Tensor:
+    """Queries (B, H, C, D) over their selected keys in one SDPA call (off the CPU flash path)."""
     keys, values = (_gather(x, index) for x in (k, v))
     mask = (chosen | ~chosen.any(-1, keepdim=True))[:, None, :, None, :]  # a row without keys: zeroed below
     out = torch.nn.functional.scaled_dot_product_attention(
         q[..., None, :], keys, values, attn_mask=mask, dropout_p=call.effective_dropout, scale=call.scaling)
-    out = out[..., 0, :].masked_fill(~chosen.any(-1)[:, None, :, None], 0.0)
-    return (out, None) if with_target else out
+    return out[..., 0, :].masked_fill(~chosen.any(-1)[:, None, :, None], 0.0)
 
 
 def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,8 @@ gathers a chunk (into two buffers reused by every chunk), runs the flash kernel 
 log-sum-exp; the backward gathers the chunk again (recompute, as FlashAttention does), runs the flash backward
 and scatter-adds the key and value gradients. Extra memory is O(chunk), not O(n · R · block). Under attention
 dropout the chunks run :mod:`zoo.ops.dropout`'s kernels instead of the flash ones (masks redrawn from a seed in
-the backward, never stored). Elsewhere (CUDA, other dtypes): one gather and one SDPA call.
+the backward, never stored). Elsewhere (CUDA, other dtypes): chunks of entries, each one gather and one SDPA call,
+recomputed in the backward (:func:`device_chunks`).
 
 ``allowed`` is a bool tensor broadcastable to (E, Q, R·block) given as (E|1, Q|1, R·block), or a function
 ``allowed(start, stop)`` returning that mask for entries [start, stop) (so a mask that is cheap to compute
@@ -20,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from zoo.call import AttentionCall
 from zoo.ops.blocked import rows_attention
@@ -30,7 +32,28 @@ from zoo.ops.flash import additive_mask, flash_available
 # flash kernels allocate per chunk stay small enough to be reused from the heap rather than page-faulted afresh.
 GATHER_CHUNK_ELEMENTS = 2**20
 
+# Off the CPU flash path: gathered key elements per chunk (256 MB in fp32), and entries per SDPA call. One call over
+# the 98,304 single-query entries of moba and nsa (12 heads, 8K) failed in CUDA's SDPA kernels on an H200, where
+# BigBird's and the window's 6-12K block entries ran; 2^15 stays under the 65,535 of a CUDA grid axis.
+DEVICE_CHUNK_ELEMENTS = 2**26
+DEVICE_CHUNK_ENTRIES = 2**15
+
 Allowed = torch.Tensor | Callable[[int, int], torch.Tensor] | None
+
+
+def device_chunks(items: int, elements_per_item: int, entries_per_item: int = 1) -> list[slice]:
+    """Ranges of items (each ``entries_per_item`` SDPA entries) of at most DEVICE_CHUNK_ENTRIES entries and about
+    DEVICE_CHUNK_ELEMENTS gathered elements."""
+    step = min(DEVICE_CHUNK_ENTRIES // entries_per_item, DEVICE_CHUNK_ELEMENTS // max(1, elements_per_item))
+    step = max(1, step)
+    return [slice(start, min(start + step, items)) for start in range(0, items, step)]
+
+
+def recomputed(fn, *args):
+    """``fn(*args)``, its activations recomputed in the backward when a tensor argument needs a gradient."""
+    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in args):
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
 
 
 def gathered_attention(
@@ -48,8 +71,17 @@ def gathered_attention(
     """
     if flash_available(q):
         return _ChunkedGatheredFlash.apply(q, k_blocks, v_blocks, index, allowed, call.scaling, Dropout.of(call))
+    per_entry = index.shape[1] * k_blocks.shape[1] * max(k_blocks.shape[2], q.shape[1])
+    return torch.cat([
+        recomputed(_gathered_sdpa, q[rows], k_blocks, v_blocks, index[rows], mask_of(allowed, rows.start, rows.stop),
+                   call)
+        for rows in device_chunks(index.shape[0], per_entry)
+    ])
+
+
+def _gathered_sdpa(q, k_blocks, v_blocks, index, mask, call: AttentionCall) -> torch.Tensor:
+    """Entries q (e, Q, D) over their gathered key blocks in one SDPA call (mask (e|1, Q|1, K) or None)."""
     keys, values = gather_all(k_blocks, v_blocks, index)
-    mask = mask_of(allowed, 0, index.shape[0])
     mask = None if mask is None else mask[:, None]
     return rows_attention(q[:, None], keys[:, None], values[:, None], mask, call)[:, 0]
 
