@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zoo.registry import get_variant_class, list_variants
+from zoo.registry import IN_PROCESS, get_variant_class, names_with_sources, source_of
 from zoo.variant import Param, Variant
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,9 +98,11 @@ ABOUT: dict[str, tuple[str, str]] = {
 
 
 def builtin_variants() -> dict[str, type[Variant]]:
-    """``{name: class}`` of the variants this repository ships (``zoo.variants``), plugins left out."""
-    classes = {name: get_variant_class(name) for name in list_variants()}
-    return {name: cls for name, cls in classes.items() if cls.__module__.startswith("zoo.variants.")}
+    """``{name: class}`` of the variants this repository ships (``zoo.variants``), plugins left out; a built-in
+    variant that fails to import raises (`zoo.registry.BrokenVariantError`) rather than leave the docs."""
+    names = [n for n in names_with_sources() if source_of(n).distribution != IN_PROCESS
+             and source_of(n).entry_point.split("=")[-1].strip().startswith("zoo.variants.")]
+    return {name: get_variant_class(name) for name in names}
 
 
 def by_family() -> list[tuple[str, str, list[str]]]:
