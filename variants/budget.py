@@ -5,10 +5,13 @@ in all (:class:`zoo.cache.BudgetedLayer`), evicting after every call once it hol
 between the chunks of ``generate(prefill_chunk_size=...)``. Scores come from this kernel's own call (the queries, the
 kept keys, the log-sum-exp; :mod:`zoo.ops.kept`), never from an n x n matrix.
 
-``zoo.configure(model, "budget", inner="sdpa", tokens=512, sinks=4, recent=64, policy="tova")``; ``tokens`` may be a
-list (one value per layer), or use ``hybrid`` to mix full, window and budgeted layers. ``policy`` names a KV policy
-(:mod:`zoo.cache.policies`), built in or from a plugin (entry point group ``attention_zoo.kv_policies``), looked up
-once here; the cache and this kernel ask it what to record and how to score. While nothing was evicted the
+``zoo.configure(model, "budget", inner="sdpa", tokens=512, sinks=4, recent=64, policy="snapkv")``; ``tokens`` may be
+a list (one value per layer), or use ``hybrid`` to mix full, window and budgeted layers. ``policy`` is a KV policy
+(:mod:`zoo.cache.policies`), built in or from a plugin (entry point group ``attention_zoo.kv_policies``): its name,
+a dict of its name and fields (``{"name": "snapkv", "window": 64, "pool": 5}``, what config.json keeps) or a
+``zoo.cache.Policy`` object (kept as its dict), built once here; the cache and this kernel ask it what to record
+and how to score. The old ``window`` parameter is deprecated: it sets the window of ``snapkv`` and
+``expected_attention`` as it did, with a DeprecationWarning. While nothing was evicted the
 inner variant runs the call (so with ``tokens`` >= the context it is ``inner`` exactly); after that each KV head's
 own keys (:func:`zoo.ops.kept.kept_attention`; H2O always, it needs every query's attention mass).
 """
@@ -20,6 +23,7 @@ from typing import Any
 import torch
 
 from zoo.cache import POLICIES, BudgetedLayer, Policy
+from zoo.cache.policies import DEFAULT_POLICY, PolicyParameterError, PolicySpec, as_policy, with_old_window
 from zoo.ops.kept import kept_attention
 from zoo.registry import UnknownPolicyError, get_policy_class, get_variant_class, list_policies
 from zoo.variant import AttentionCall, Param, Variant, VariantParameterError
@@ -35,10 +39,12 @@ class BudgetAttention(Variant):
         "tokens": Param(512, int, "keys kept per row and KV head, sinks and recent included", min=1, per_layer=True),
         "sinks": Param(4, int, "first real tokens of each row never evicted", min=0),
         "recent": Param(64, int, "most recent tokens never evicted", min=0),
-        "policy": Param("snapkv", str, f"how the other kept keys are chosen: a KV policy ({', '.join(POLICIES)} or a "
-                        "plugin's)"),
+        "policy": Param(DEFAULT_POLICY, (str, dict, Policy), "how the other kept keys are chosen: a KV policy's "
+                        f"name ({', '.join(POLICIES)} or a plugin's), a dict of its name and fields "
+                        "({'name': 'snapkv', 'window': 64}) or a zoo.cache.Policy"),
         "slack": Param(0, int, "evict once more than tokens + slack keys are held (0: after every call)", min=0),
-        "window": Param(32, int, "recent queries snapkv and expected_attention score from", min=1),
+        "window": Param(None, int, "deprecated: the policy's own field now, e.g. policy={'name': 'snapkv', 'window': "
+                        "32}", min=1, optional=True),
     }
     test_params = {"tokens": 48, "sinks": 2, "recent": 8, "policy": "h2o"}
 
@@ -58,7 +64,7 @@ class BudgetAttention(Variant):
                 "combine 'budget' and 'longformer' in a 'hybrid'."
             )
         self.inner_variant = inner
-        self.kv_policy = _policy(self.policy)
+        self.kv_policy = self._built_policy()
         for tokens in self.tokens if isinstance(self.tokens, list) else [self.tokens]:
             if tokens < self.sinks + self.recent:
                 raise VariantParameterError(
@@ -66,11 +72,26 @@ class BudgetAttention(Variant):
                     f"and the recent keys, so it must be >= sinks + recent = {self.sinks + self.recent}."
                 )
 
+    def _built_policy(self) -> Policy:
+        """The policy object. ``config['policy']`` keeps a name as given, else becomes the policy's JSON form (a
+        dict); the deprecated ``window`` moves into the policy (and becomes None)."""
+        given = policy = _policy(self.policy)
+        if self.window is not None:
+            if not isinstance(self.policy, str):
+                raise VariantParameterError(
+                    "attention-zoo variant 'budget': parameter 'window' is deprecated and the policy is given with "
+                    f"its fields ({self.policy!r}); set the window there, e.g. policy={{'name': {given.name!r}, "
+                    f"'window': {self.window}}}, and drop 'window'."
+                )
+            policy = with_old_window(given, self.window, "variant 'budget'")
+            self.config["window"] = None
+        named = isinstance(self.policy, str) and policy == given
+        self.config["policy"] = self.policy if named else policy.to_dict()
+        return policy
+
     def cache_layer(self, layer_idx: int, config: Any) -> BudgetedLayer:
-        return BudgetedLayer(
-            self.per_layer("tokens", layer_idx), self.sinks, self.recent, self.kv_policy, self.slack, self.window,
-            max_positions=getattr(config, "max_position_embeddings", None),
-        )
+        return BudgetedLayer(self.per_layer("tokens", layer_idx), self.sinks, self.recent, self.kv_policy, self.slack,
+                             max_positions=getattr(config, "max_position_embeddings", None))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         layer = call.cache
@@ -91,13 +112,16 @@ class BudgetAttention(Variant):
         return self.inner_variant.flops(n, heads, head_dim, causal)
 
 
-def _policy(name: str) -> Policy:
-    """The KV policy named ``name`` (:func:`zoo.registry.get_policy_class`), or the parameter error saying why not."""
+def _policy(spec: PolicySpec) -> Policy:
+    """The KV policy ``spec`` gives (names through :func:`zoo.registry.get_policy_class`), or the parameter error
+    saying why not."""
     try:
-        return get_policy_class(name)()
+        return as_policy(spec, get_policy_class)
     except UnknownPolicyError as exc:
         allowed = ", ".join(repr(policy) for policy in list_policies())
-        raise VariantParameterError(f"attention-zoo variant 'budget': parameter 'policy' = {name!r} is invalid; "
+        raise VariantParameterError(f"attention-zoo variant 'budget': parameter 'policy' = {spec!r} is invalid; "
                                     f"allowed: one of {allowed}.") from exc
+    except PolicyParameterError as exc:
+        raise VariantParameterError(f"attention-zoo variant 'budget': parameter 'policy' = {spec!r}: {exc}") from exc
     except Exception as exc:  # a plugin's policy that failed to import or is claimed twice
-        raise VariantParameterError(f"attention-zoo variant 'budget': parameter 'policy' = {name!r}: {exc}") from exc
+        raise VariantParameterError(f"attention-zoo variant 'budget': parameter 'policy' = {spec!r}: {exc}") from exc

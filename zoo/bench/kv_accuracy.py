@@ -16,9 +16,11 @@ from transformers import DynamicCache, QuantizedCache
 
 from zoo.bench.kv_contestants import RECENT, SINKS, held_bytes, prepare, quantized_bytes
 from zoo.bench.passkey import NEW_TOKENS, found, load_prompts
+from zoo.cache.policies import DEFAULT_QUERY_WINDOW, as_policy
 from zoo.data.pretrained import smollm2
 from zoo.plug.generation import make_cache
 from zoo.plug.install import configure
+from zoo.registry import get_policy_class
 
 
 def run_contestant(model, tokenizer, prompts: list[dict], contestant: dict, chunk: int | None = None) -> dict:
@@ -85,12 +87,14 @@ def shared_generate(model, ids: torch.Tensor, jobs: list[dict], new_tokens: int 
 row has ended its answer, else exactly ``new_tokens``). Returns (sequences, cache)."""
     context = ids.shape[1]
     results: list[Any] = [None] * len(jobs)
+    policies = {i: as_policy(job["policy"], get_policy_class) for i, job in enumerate(jobs) if job.get("policy")}
     for accumulates in (False, True):
-        mine = [i for i, job in enumerate(jobs) if (job.get("policy") == "h2o") == accumulates]
+        mine = [i for i in range(len(jobs)) if (i in policies and policies[i].accumulates) == accumulates]
         if not mine:
             continue
+        window = max([DEFAULT_QUERY_WINDOW] + [policies[i].recorded_window for i in mine if i in policies])
         configure(model, "budget", tokens=context + new_tokens, sinks=SINKS, recent=RECENT,
-                  policy="h2o" if accumulates else "snapkv", window=32)
+                  policy="h2o" if accumulates else {"name": "snapkv", "window": window})
         source = make_cache(model)
         with torch.no_grad():
             first = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,

@@ -13,7 +13,7 @@ Costs, the transformers calling convention relied on and the versions checked: d
 from zoo.cache.budgeted import BudgetedLayer, PositionsExhaustedError
 from zoo.cache.growing import GrowingLayer
 from zoo.cache.kernel_state import KernelStateLayer
-from zoo.cache.policies import POLICIES, Policy
+from zoo.cache.policies import DEFAULT_POLICY, POLICIES, Policy, as_policy
 from zoo.cache.protocol import (
     LAYER_KWARG,
     PER_STEP_KWARGS,
@@ -37,8 +37,9 @@ from zoo.cache.windowed import (
 from zoo.cache.zoo_cache import ZooCache, cache_nbytes
 
 __all__ = [
-    "LAYER_KWARG", "PER_STEP_KWARGS", "POLICIES", "BatchMapped", "BudgetedLayer", "CacheRollbackError",
-    "GrowingLayer", "KernelStateLayer", "PatternMemo", "PatternSource", "Policy", "PositionsExhaustedError",
-    "RecurrentLayer", "SinkPredicate", "WindowedLayer", "ZooCache", "ZooCacheLayer", "cache_nbytes", "decoding_call",
-    "hand_to_kernel", "pattern_cache_layer", "same_stable_kwargs", "stable_kwargs", "tensor_bytes",
+    "DEFAULT_POLICY", "LAYER_KWARG", "PER_STEP_KWARGS", "POLICIES", "BatchMapped", "BudgetedLayer",
+    "CacheRollbackError", "GrowingLayer", "KernelStateLayer", "PatternMemo", "PatternSource", "Policy",
+    "PositionsExhaustedError", "RecurrentLayer", "SinkPredicate", "WindowedLayer", "ZooCache", "ZooCacheLayer",
+    "as_policy", "cache_nbytes", "decoding_call", "hand_to_kernel", "pattern_cache_layer", "same_stable_kwargs",
+    "stable_kwargs", "tensor_bytes",
 ]

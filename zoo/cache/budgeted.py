@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from zoo.cache.policies import Policy, as_policy
+from zoo.cache.policies import DEFAULT_POLICY, PolicySpec, as_policy, with_old_window
 from zoo.cache.protocol import BatchMapped, CacheRollbackError, ZooCacheLayer, hand_to_kernel, tensor_bytes
 
 
@@ -20,14 +20,16 @@ class PositionsExhaustedError(ValueError):
 class BudgetedLayer(BatchMapped, ZooCacheLayer, DynamicLayer):
     """A bounded cache for a model trained with full attention: per batch row and KV head, the first ``sinks`` real
     tokens of the row, the last ``recent`` tokens and the ``tokens - sinks - recent`` other keys that score highest
-    under ``policy`` (a :class:`~zoo.cache.policies.Policy`, or a built-in one's name: :data:`POLICIES`). Once it holds
+    under ``policy`` (a :class:`~zoo.cache.policies.Policy`, a built-in one's name (:data:`POLICIES`) or a dict of its
+    name and fields; default :data:`~zoo.cache.policies.DEFAULT_POLICY`). Once it holds
     more than ``tokens + slack`` keys it evicts down to ``tokens`` (``slack=0``: after every call); padding keys go
     first, sinks and recent keys never.
     Each (row, KV head) keeps its own tokens, the same count everywhere, so the tensors stay rectangular.
 
     Held state, per (row, KV head): ``keys``/``values`` (B, Hk, K, d), ``pos`` (B, Hk, K) token positions (ascending),
     ``real`` (not padding) and ``mass`` (accumulated attention, for policies that accumulate); and the last ``window``
-    queries (``queries``, ``query_real``; the policy may fix ``window``) for the policies that record them. The kernel
+    queries (``queries``, ``query_real``; the policy's :attr:`~zoo.cache.Policy.recorded_window`) for the policies
+    that record them. ``window`` as an argument is deprecated (the policy's own field now). The kernel
     (the ``budget`` variant) reads them through ``call.cache`` and reports back with :meth:`observe`.
     ``key_positions`` (what the plug hands the kernel) are row 0 / head 0's: the positions of every row and head
     while nothing was evicted, and of the current call's tokens (the last ones) always. Keys keep their rotary phase
@@ -36,16 +38,18 @@ class BudgetedLayer(BatchMapped, ZooCacheLayer, DynamicLayer):
 
     is_sliding = False
 
-    def __init__(self, tokens: int, sinks: int = 4, recent: int = 64, policy: str | Policy = "tova", slack: int = 0,
-                 window: int = 32, max_positions: int | None = None) -> None:
+    def __init__(self, tokens: int, sinks: int = 4, recent: int = 64, policy: PolicySpec = DEFAULT_POLICY,
+                 slack: int = 0, window: int | None = None, max_positions: int | None = None) -> None:
         super().__init__()
         policy = as_policy(policy)
-        if tokens < sinks + recent or min(sinks, recent, slack) < 0 or window < 1:
+        if window is not None:
+            policy = with_old_window(policy, window, "BudgetedLayer")
+        if tokens < sinks + recent or min(sinks, recent, slack) < 0:
             raise ValueError(f"BudgetedLayer: need tokens >= sinks + recent and non-negative sizes, got tokens="
-                             f"{tokens}, sinks={sinks}, recent={recent}, slack={slack}, window={window}.")
+                             f"{tokens}, sinks={sinks}, recent={recent}, slack={slack}.")
         self.tokens, self.sinks, self.recent, self.slack = int(tokens), int(sinks), int(recent), int(slack)
         self.policy, self.max_positions = policy, max_positions
-        self.window = policy.window(window)
+        self.window = policy.recorded_window
         self._clear()
 
     @property

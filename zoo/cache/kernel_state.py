@@ -6,14 +6,14 @@ from __future__ import annotations
 import torch
 
 from zoo.cache.growing import GrowingLayer
-from zoo.cache.protocol import ZooCacheLayer, hand_to_kernel
+from zoo.cache.protocol import BatchMapped, ZooCacheLayer, hand_to_kernel
 
 
-class KernelStateLayer(ZooCacheLayer, GrowingLayer):
+class KernelStateLayer(BatchMapped, ZooCacheLayer, GrowingLayer):
     """Every key (:class:`zoo.cache.GrowingLayer`; the plug speaks to it as a :class:`zoo.cache.ZooCacheLayer`),
     handed to the kernel (``call.cache``) with per-row state the kernel keeps in it (``state_names``: tensors with the
-    batch first, or None), reordered with the beams and counted by :meth:`nbytes`. The kernel sees keys at positions
-    0 .. n - 1 and the padding mask over all of them."""
+    batch first, or None), reordered with the beams (:class:`zoo.cache.BatchMapped`, keys and values with them) and
+    counted by :meth:`nbytes`. The kernel sees keys at positions 0 .. n - 1 and the padding mask over all of them."""
 
     state_names: tuple[str, ...] = ()
 
@@ -47,22 +47,11 @@ class KernelStateLayer(ZooCacheLayer, GrowingLayer):
         return super().update(key_states, value_states, *args, **kwargs)
 
     def _map_state(self, fn) -> None:
-        for name in self.state_names:
-            value = getattr(self, name)
-            if value is not None:
+        for name in ("keys", "values", *self.state_names):
+            value = getattr(self, name, None)
+            if isinstance(value, torch.Tensor):
                 setattr(self, name, fn(value))
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self._map_state(lambda x: x.index_select(0, beam_idx.to(x.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        self._map_state(lambda x: x.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        self._map_state(lambda x: x[indices])
+        self._rebuilt()  # the growing buffers no longer hold the keys
 
     def reset(self) -> None:
         super().reset()

@@ -13,6 +13,7 @@ Example (``recipes/configs/eval/smollm2_cpu.yaml`` is the full one)::
     contestants:
       - {family: full}
       - {family: budget, policies: [tova, snapkv], budgets: [0.5, 0.25]}
+      - {family: budget, policies: [{name: snapkv, window: 64, pool: 5}], budgets: [0.25]}
       - {family: window, budgets: [0.25]}
       - {family: quantized, nbits: 4}
       - {family: variant, variant: moba, params: {block_size: 64, top_k: 7}}
@@ -27,7 +28,9 @@ from typing import Any
 
 import yaml
 
+from zoo.cache.policies import DEFAULT_POLICY, as_policy, policy_label
 from zoo.eval.tasks import TASKS
+from zoo.registry import get_policy_class
 
 FAMILIES = ("full", "budget", "window", "quantized", "variant", "folder")
 TOP_KEYS = {"model", "output_dir", "seed", "threads", "lengths", "samples", "batch", "tasks", "contestants",
@@ -80,7 +83,7 @@ def contestant_name(entry: dict[str, Any]) -> str:
     if family == "full":
         return "full cache"
     if family == "budget":
-        return f"budget {entry['policy']} {kept}"
+        return f"budget {policy_label(entry['policy'])} {kept}"
     if family == "window":
         return f"window + 4 sinks {kept}"
     if family == "quantized":
@@ -101,7 +104,9 @@ def expand_contestants(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                   "e.g. {family: budget, policies: [tova], budgets: [0.25]}).")
         entry = dict(raw)
         family = entry["family"]
-        policies = entry.pop("policies", [entry.pop("policy", "tova")]) if family == "budget" else [None]
+        policies = entry.pop("policies", [entry.pop("policy", DEFAULT_POLICY)]) if family == "budget" else [None]
+        for policy in policies if family == "budget" else ():
+            _check_policy(policy, number)
         budgets = entry.pop("budgets", None)
         tokens = entry.pop("tokens", None)
         if family in ("budget", "window"):
@@ -135,6 +140,15 @@ def expand_contestants(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if repeated:
         raise EvalConfigError(f"contestants: {repeated} appear more than once; give each a distinct `name`.")
     return out
+
+
+def _check_policy(spec: Any, number: int) -> None:
+    """Refuse a policy that ``budget`` would refuse (unknown name or field, bad value) before any work."""
+    try:
+        as_policy(spec, get_policy_class)
+    except Exception as exc:
+        raise EvalConfigError(f"contestants[{number}]: policy {spec!r}: {exc} Give a name (e.g. snapkv) or a "
+                              "mapping of its name and fields (e.g. {name: snapkv, window: 64}).") from exc
 
 
 def _as_list(value: Any) -> list:

@@ -4,7 +4,7 @@
 Layout: queries ``q`` (batch, heads, Q, d); kept ``keys`` / ``values`` (batch, kv_heads, K, d), the same count K in
 every (row, KV head) but different tokens; ``key_pos`` (batch, kv_heads, K) their token positions, ``key_real`` the
 ones that are real tokens (not padding). Query head h reads KV head h // (heads / kv_heads) (GQA). Nothing here builds
-an n x n tensor: queries go in chunks of at most :data:`CHUNK_ELEMENTS` scores.
+an n x n tensor: queries go in chunks of at most :data:`KEPT_SCORES_PER_CHUNK` scores.
 
 Every score is (batch, kv_heads, K) float32, higher = keep; definitions in README ("Bounding a pretrained model's
 memory") and in each function.
@@ -15,10 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-CHUNK_ELEMENTS = 1 << 18  # scores per query chunk (1 MB in fp32): a chunked prefill runs kept_attention at every
-# layer and chunk, and score buffers of tens of MB, freed and made again around the cache's own allocations, stayed
-# in glibc's heap (results/bench/kv/README.md, peak RSS); buffers this small are reused instead
-SNAPKV_POOL = 7  # SnapKV's pooling kernel over neighbouring keys
+KEPT_SCORES_PER_CHUNK = 1 << 18  # kept_attention's scores per query chunk (1 MB in fp32): a chunked prefill runs it
+# at every layer and chunk, and score buffers of tens of MB, freed and made again around the cache's own allocations,
+# stayed in glibc's heap (results/bench/kv/README.md, peak RSS); buffers this small are reused instead
 
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -60,7 +59,7 @@ def kept_attention(
     batch, heads, length, _ = q.shape
     kv_heads, kept = keys.shape[1], keys.shape[2]
     qg = _grouped(q, kv_heads)
-    chunk = max(1, min(length, CHUNK_ELEMENTS // max(1, batch * heads * kept)))
+    chunk = max(1, min(length, KEPT_SCORES_PER_CHUNK // max(1, batch * heads * kept)))
     mass = torch.zeros(batch, kv_heads, kept, device=q.device) if want_mass else None
     outs = []
     for start in range(0, length, chunk):
@@ -75,28 +74,22 @@ def kept_attention(
     return out.reshape(batch, heads, length, values.shape[-1]), mass
 
 
-def window_attention(queries, query_pos, query_real, keys, key_pos, key_real, scaling) -> torch.Tensor:
+def recent_query_attention(queries, query_pos, query_real, keys, key_pos, key_real, scaling) -> torch.Tensor:
     """The attention of the recorded recent queries over the kept keys, summed over the real queries and averaged
-    over the query heads of each KV group: (B, Hk, K). One query: TOVA's score; the last w prompt queries: SnapKV's
-    votes (before pooling)."""
+    over the query heads of each KV group: (B, Hk, K). TOVA's score (Oren et al. 2024; the current query alone, with
+    its window of one); SnapKV's votes before pooling (the last w prompt queries)."""
     qg = _grouped(queries, keys.shape[1])
     probs = _probabilities(qg, keys, key_pos, key_real, query_pos, scaling)
     probs = probs * query_real[:, None, None, :, None].to(probs)
     return probs.sum(dim=3).mean(dim=2)
 
 
-def tova_scores(queries, query_pos, query_real, keys, key_pos, key_real, scaling) -> torch.Tensor:
-    """TOVA (Oren et al. 2024): the current (last) query's attention, averaged over the heads of the KV group."""
-    return window_attention(queries[..., -1:, :], query_pos[-1:], query_real[:, -1:], keys, key_pos, key_real,
-                            scaling)
-
-
-def snapkv_scores(queries, query_pos, query_real, keys, key_pos, key_real, scaling) -> torch.Tensor:
+def snapkv_scores(queries, query_pos, query_real, keys, key_pos, key_real, scaling, pool: int) -> torch.Tensor:
     """SnapKV (Li et al. 2024): the observation window's (last w queries') attention summed over the window, averaged
-    over the group's heads, max-pooled over :data:`SNAPKV_POOL` neighbouring kept keys (keeps clusters whole)."""
-    votes = window_attention(queries, query_pos, query_real, keys, key_pos, key_real, scaling)
+    over the group's heads, max-pooled over ``pool`` (odd) neighbouring kept keys (keeps clusters whole)."""
+    votes = recent_query_attention(queries, query_pos, query_real, keys, key_pos, key_real, scaling)
     batch, kv_heads, kept = votes.shape
-    pooled = F.max_pool1d(votes.reshape(batch * kv_heads, 1, kept), SNAPKV_POOL, stride=1, padding=SNAPKV_POOL // 2)
+    pooled = F.max_pool1d(votes.reshape(batch * kv_heads, 1, kept), pool, stride=1, padding=pool // 2)
     return pooled.reshape(batch, kv_heads, kept)
 
 
