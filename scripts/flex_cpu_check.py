@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from zoo.ops import flex
+from zoo.ops.backends import flex
 from zoo.plug.backend import attention_backend
 from zoo.plug.dispatch import run_variant
 from zoo.registry import get_variant_class

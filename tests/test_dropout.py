@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import zoo.ops.dropout as dropout_ops
-from zoo.ops import allowed_mask, safe_softmax
+from zoo.ops import allowed_mask, limits, safe_softmax
 from zoo.ops.dropout import Dropout, dropped_probabilities
 from zoo.plug.dispatch import run_variant
 from zoo.testing import LargestAllocation, make_call, make_inputs, make_variant, modes, real_rows
@@ -22,8 +22,8 @@ P = 0.3
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks of a few rows: every call draws its masks from many per-chunk generators."""
-    monkeypatch.setattr("zoo.ops.dropout.CHUNK_ELEMENTS", 700)
-    monkeypatch.setattr("zoo.ops.gathered.GATHER_CHUNK_ELEMENTS", 300)
+    monkeypatch.setattr("zoo.ops.limits.DROPOUT_CHUNK_ELEMENTS", 700)
+    monkeypatch.setattr("zoo.ops.limits.GATHER_CHUNK_ELEMENTS", 300)
 
 
 def dense_probabilities(variant, q, k, call) -> torch.Tensor:
@@ -181,5 +181,5 @@ def test_dropout_keeps_no_probabilities(name):
     for causal in modes(name):
         with_dropout, without = largest_tensor(variant, n, causal, 0.1), largest_tensor(variant, n, causal, 0.0)
         assert with_dropout < n * n // 8
-        row_chunk = dropout_ops.ROW_CHUNK_FACTOR * dropout_ops.CHUNK_ELEMENTS
+        row_chunk = limits.DROPOUT_ROW_CHUNK_FACTOR * limits.DROPOUT_CHUNK_ELEMENTS
         assert with_dropout <= max(without, row_chunk), (with_dropout, without)

@@ -1,5 +1,5 @@
-"""FlexAttention path (:mod:`zoo.ops.flex`) on CPU: outputs against the chunked kernels and the dense reference, the
-BlockMask's blocks against the pattern's, the backend choice and the mask cache.
+"""FlexAttention path (:mod:`zoo.ops.backends.flex`) on CPU: outputs against the chunked kernels and the dense
+reference, the BlockMask's blocks against the pattern's, the backend choice and the mask cache.
 
 FlexAttention has no backward on CPU (NotImplementedError in torch 2.13), so gradients through Flex cannot be
 checked here: the CUDA tests at the end (skipped without a GPU) compare forward and backward with the chunked
@@ -14,7 +14,8 @@ import logging
 import pytest
 import torch
 
-from zoo.ops import allowed_mask, expand_kv, flex, softmax_attention
+from zoo.ops import allowed_mask, expand_kv, limits, softmax_attention
+from zoo.ops.backends import flex
 from zoo.pattern import Pattern, band
 from zoo.plug import backend as backends
 from zoo.plug.dispatch import run_variant
@@ -131,7 +132,7 @@ def test_block_mask_build_evaluates_only_the_candidate_tiles(monkeypatch):
 
 
 def test_block_mask_is_built_without_an_n_by_n_tensor(monkeypatch):
-    monkeypatch.setattr(flex, "EVAL_ELEMENTS", 1 << 20)
+    monkeypatch.setattr(limits, "FLEX_EVAL_CHUNK_ELEMENTS", 1 << 20)
     n = 4096
     variant = make_variant("longformer", window=512)
     with LargestAllocation() as probe:

@@ -102,7 +102,7 @@ def test_beam_search_reorders_the_cache(variant):
 def test_unpadded_window_steps_build_no_mask(variant, monkeypatch):
     """One unpadded query over a plain window's cache selection (pattern.plain_window) is exactly its keys: the step
     builds no mask, and decodes the tokens of the full forward. A dilated window has holes: it keeps its mask."""
-    from zoo.ops import selected
+    from zoo.ops import decode_selected as selected
 
     model = _model("llama", variant)
     ids = _prompts(length=24, batch=1)[0]
@@ -501,7 +501,7 @@ def test_a_windowed_decoding_step_over_real_keys_builds_no_mask_and_reads_no_who
     step reads only the kept keys' columns of it (no row_starts over the whole context) and, once the padding has left
     the window, runs the plain window without a mask; with padding among the kept keys it masks. Tokens equal
     use_cache=False decoding both ways (issue 29, item 5)."""
-    import zoo.ops.selected as selected
+    import zoo.ops.decode_selected as selected
     import zoo.plug.dispatch as dispatch
 
     model = _model("llama", variant)

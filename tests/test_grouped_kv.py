@@ -82,7 +82,7 @@ def test_grouped_key_decoding_equals_the_model_without_a_cache(variant, params):
 
 
 def test_moba_gathers_a_grouped_cache_as_an_expanded_one():
-    from zoo.ops import selection
+    from zoo.ops import chosen_blocks as selection
 
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 6, 1, 8), torch.randn(2, 2, 20, 8), torch.randn(2, 2, 20, 8)

@@ -22,7 +22,7 @@ def test_head_groups_give_the_same_output_and_gradients(name, causal, monkeypatc
     mask[1, :15] = False
     results = []
     for elements in (2**30, 1):  # all heads at once; one head per group
-        monkeypatch.setattr("zoo.ops.dense.HEAD_GROUP_ELEMENTS", elements)
+        monkeypatch.setattr("zoo.ops.limits.HEAD_GROUP_ELEMENTS", elements)
         gen = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(2, 4, 90, 16, generator=gen).requires_grad_() for _ in range(3))
         out = run_variant(variant, q, k, v, make_call(causal, mask))

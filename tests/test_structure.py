@@ -17,6 +17,7 @@ LAYERS = [
     ("zoo.pattern",),
     ("zoo.ops",),
     ("zoo.cache",),
+    ("zoo.modules",),
     ("zoo.variant",),
     ("zoo.registry",),
     ("zoo.variants",),
@@ -54,7 +55,7 @@ def imports_of(path: Path) -> list[tuple[str, int, bool]]:
             if isinstance(child, ast.Import):
                 found.extend((alias.name, child.lineno, in_function) for alias in child.names)
             elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
-                # `from zoo.ops import flex` imports the module zoo.ops.flex (its package comes with any submodule)
+                # `from zoo.ops.backends import flex` imports the module zoo.ops.backends.flex (its package comes with any submodule)
                 submodules = [f"{child.module}.{a.name}" for a in child.names if f"{child.module}.{a.name}" in MODULES]
                 if len(submodules) < len(child.names):
                     found.append((child.module, child.lineno, in_function))

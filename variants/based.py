@@ -10,7 +10,7 @@ the Taylor expansion of exp(s) (always ≥ ½, so the normalization never divide
 triangle only (off-diagonal pairs counted twice): 1 + f + f(f + 1)/2 features (153 at f = 16), the state size of the
 paper. Normalized as the paper: o_t = φ(q_t)ᵀ Σ_{s≤t} φ(k_s) v_sᵀ / φ(q_t)ᵀ Σ_{s≤t} φ(k_s), through the chunked
 prefix sums of :func:`zoo.ops.linear_attention`. ``short_conv`` (default 4; 0 = off) convolves q, k and v first
-(:class:`zoo.ops.short_conv.ShortConv`). The paper's sliding window is a separate layer: pair it with a
+(:class:`zoo.modules.ShortConv`). The paper's sliding window is a separate layer: pair it with a
 ``longformer`` layer in a ``hybrid``. The host's rotary embedding reaches q and k before the projection.
 
 Decoding (:class:`zoo.cache.RecurrentLayer`): Σφ(k)ᵀ[v, 1] per row and head (153·(d + 1) fp32 numbers at f = 16)
@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from zoo.cache import RecurrentLayer
+from zoo.modules import ShortConv
 from zoo.ops import (
     allowed_mask,
     default_chunk_size,
@@ -32,8 +33,7 @@ from zoo.ops import (
     linear_attention_flops,
     linear_attention_reference,
 )
-from zoo.ops.delta_rule import state_dtype
-from zoo.ops.short_conv import ShortConv
+from zoo.ops.state import state_dtype
 from zoo.variant import AttentionCall, LayerWeights, Param, Variant
 
 

@@ -12,18 +12,18 @@ Per head a d_k x d_v state is corrected toward each new value instead of summed 
   weight ``attention_zoo.beta.weight``, (heads, hidden), no bias, Xavier-uniform with gain 2^−2.5 as fla's layers:
   β ≈ 0.5 at the start). ``allow_negative_eigenvalues``: β = 2·sigmoid(·) ∈ (0, 2) (Grazzi et al. 2025), so
   I − β kkᵀ may reflect. Called outside a model (the contract suite) there are no hidden states and the gates
-  read the keys with the heads merged (:func:`zoo.ops.short_conv.gate_source`).
+  read the keys with the heads merged (:func:`zoo.modules.gate_source`).
 * ``short_conv`` (default 4, 0 = off): a learned causal depthwise convolution of that many taps on q, k and v
-  (:class:`zoo.ops.short_conv.ShortConv`, ``attention_zoo.conv.{q,k,v}.weight``).
+  (:class:`zoo.modules.ShortConv`, ``attention_zoo.conv.{q,k,v}.weight``).
 * ``output_norm`` (default True): each head's output is RMS-normalized with a learned gain (d_v,), started at 1
-  (:class:`zoo.ops.gated_linear.OutputNorm`, ``attention_zoo.norm.weight``; fla's ``o_norm``), which gives the
+  (:class:`zoo.modules.OutputNorm`, ``attention_zoo.norm.weight``; fla's ``o_norm``), which gives the
   readout a fixed scale; fla's output gate is left out (the host's output projection follows).
 * Position encodings: the kernel receives q and k after the host model's rotary embedding (Llama), which then rotates
   the keys the state stores; GPT-2's absolute positions reach q/k through the hidden states instead.
 
 Kernel: the chunkwise WY / UT form (:func:`zoo.ops.delta_rule.delta_rule`), O(n·C·d + n·d²) time, no n x n tensor,
 fp32 states (bf16/fp16 on CUDA with ``attention-zoo[fla]``: fla's ``chunk_delta_rule`` /
-``chunk_gated_delta_rule``, :mod:`zoo.ops.fla_backend`); :meth:`reference` is the token-by-token recurrence.
+``chunk_gated_delta_rule``, :mod:`zoo.ops.backends.fla`); :meth:`reference` is the token-by-token recurrence.
 Padded tokens write nothing (β = 0, their k, v and convolution inputs zeroed). Without learned weights on disk (a
 checkpoint saved before) they get the init above, seeded per layer, with one log line.
 
@@ -39,18 +39,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.cache import RecurrentLayer
-from zoo.ops.delta_rule import (
-    DEFAULT_CHUNK,
-    carried,
-    delta_rule,
-    delta_rule_flops,
-    delta_rule_recurrence,
-    l2_normalized,
-    state_dtype,
-)
-from zoo.ops.fla_backend import model_dtype_inputs
-from zoo.ops.gated_linear import OutputNorm, normalized
-from zoo.ops.short_conv import ShortConv, gate_source
+from zoo.modules import OutputNorm, ShortConv, gate_source, normalized
+from zoo.ops.backends.fla import model_dtype_inputs
+from zoo.ops.delta_rule import DEFAULT_CHUNK, delta_rule, delta_rule_flops, l2_normalized
+from zoo.ops.delta_rule.naive import delta_rule_recurrence
+from zoo.ops.state import carried, state_dtype
 from zoo.variant import AttentionCall, LayerWeights, Param, Variant
 
 STATE = "delta"  # the cache's state-dict key of S

@@ -13,14 +13,14 @@ top-k without gradient, then attention over the chosen keys (O(n·top_k·d), chu
 :meth:`DSAAttention.reference` is dense softmax attention restricted to the same keys (tests only).
 
 Training the indexer: in a training forward the layer adds ``indexer_loss_weight`` x the KL of the indexer against
-the attention's head-summed, L1-normalised probabilities over the selected keys (:func:`zoo.ops.dsa.indexer_kl`;
+the attention's head-summed, L1-normalised probabilities over the selected keys (:func:`zoo.ops.dsa.indexer.indexer_kl`;
 the indexer's input detached, the target without gradient) to the backward of its output, as DeepSeek's auxiliary
 losses are added: any loss that backpropagates through the layer trains the indexer by its KL and nothing else.
 The last value is kept in ``attention_zoo.last_loss``, an auxiliary loss named ``indexer_kl``
 (:func:`zoo.variant.auxiliary_losses`; the zoo's Trainer logs it). ``dense_warmup=True`` is the paper's first stage
 of a retrofit: the attention is dense causal SDPA and the indexer learns the dense distribution over every eligible
-key (:func:`zoo.ops.dsa.dense_indexer_kl`, chunked, each chunk recomputed in the backward); freeze the rest of the
-model for it, then continue with ``dense_warmup=False``. A retrofit's stage 1 runs it (:meth:`transfer_stage`).
+key (:func:`zoo.ops.dsa.indexer.dense_indexer_kl`, chunked, each chunk recomputed in the backward); freeze the rest
+of the model for it, then continue with ``dense_warmup=False``. A retrofit's stage 1 runs it (:meth:`transfer_stage`).
 
 Decoding (:class:`DSALayer`): every key and every token's indexer key; a step scores all indexer keys and reads
 ``top_k`` keys: O(n·h_I·d_I + top_k·d) per token.
@@ -33,9 +33,10 @@ from torch import nn
 from zoo.variants.sdpa import SDPAAttention
 
 from zoo.cache import KernelStateLayer
+from zoo.modules import gate_source
 from zoo.ops import allowed_mask, softmax_attention
-from zoo.ops.dsa import dense_indexer_kl, dsa_flops, indexer_kl, select_tokens, selected_mask, token_attention
-from zoo.ops.short_conv import gate_source
+from zoo.ops.dsa import dense_indexer_kl, dsa_flops, indexer_kl, select_tokens, token_attention
+from zoo.ops.dsa.naive import selected_mask
 from zoo.variant import (
     AttentionCall,
     LayerWeights,

@@ -5,7 +5,7 @@
 
 Everything else is ``deltanet``'s (q, k SiLU + L2 norm, β = sigmoid(W_β x), ``short_conv``, ``output_norm``,
 padding, decoding, position encodings; see :mod:`zoo.variants.deltanet`). The decay is Mamba2's parametrization and
-init (:class:`zoo.ops.gated_linear.Mamba2Decay`: ``attention_zoo.decay.{proj.weight, A_log, dt_bias}``); padded
+init (:class:`zoo.modules.Mamba2Decay`: ``attention_zoo.decay.{proj.weight, A_log, dt_bias}``); padded
 tokens get α = 1. The paper's output gate is left out (the host model's output projection follows the kernel).
 Kernel: the gated chunkwise UT form (:func:`zoo.ops.delta_rule.delta_rule` with ``log_decay``).
 """
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from zoo.variants.deltanet import DeltaNetAttention, DeltaNetWeights
 
-from zoo.ops.gated_linear import Mamba2Decay
+from zoo.modules import Mamba2Decay
 
 
 class GatedDeltaNetWeights(DeltaNetWeights):

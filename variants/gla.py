@@ -5,20 +5,20 @@
 ``decay`` picks how α is made (one variant, three settings):
 
 * ``"channel"`` (default, GLA): one α per key channel, log α = logsigmoid(W₂ W₁ x + b) / 16 with a rank-16
-  projection of the layer's input hidden states (:class:`zoo.ops.gated_linear.LowRankDecay`,
+  projection of the layer's input hidden states (:class:`zoo.modules.LowRankDecay`,
   ``attention_zoo.decay.{down,up}``; fla's init);
 * ``"scalar"``: one data-dependent α per head, Mamba2's α = exp(−exp(A_log)·softplus(W_a x + dt_bias)) -- the
-  Mamba2 / SSD core (:class:`zoo.ops.gated_linear.Mamba2Decay`, Mamba2's init);
+  Mamba2 / SSD core (:class:`zoo.modules.Mamba2Decay`, Mamba2's init);
 * ``"fixed"``: RetNet's per-head γ_h = 1 − 2^(−5−h), no learned gate.
 
 q and k enter as the model gives them (fla's GLA has no feature map; with ``short_conv`` > 0 they are SiLU of their
 convolution, as are the values); there is no denominator (as in GLA and RetNet): the output is scaled by d_k^−½,
 then RMS-normalized per head with a learned gain (``output_norm``, default True: fla's ``g_norm``,
-:class:`zoo.ops.gated_linear.OutputNorm`). The paper's output gate is left out. Gates read the attention
+:class:`zoo.modules.OutputNorm`). The paper's output gate is left out. Gates read the attention
 module's input hidden states (outside a model: the keys, heads merged). Padded tokens write nothing (k, v and the
 convolution inputs zeroed, α = 1). Kernel: :func:`zoo.ops.gated_linear.gated_linear_attention` (chunkwise, every
 exponent ≤ 0; bf16/fp16 on CUDA with ``attention-zoo[fla]``: fla's ``chunk_gla`` / ``chunk_simple_gla``,
-:mod:`zoo.ops.fla_backend`); :meth:`reference` is the recurrence. The host's rotary embedding reaches q and k
+:mod:`zoo.ops.backends.fla`); :meth:`reference` is the recurrence. The host's rotary embedding reaches q and k
 before the kernel.
 
 Decoding (:class:`zoo.cache.RecurrentLayer`): S (``gla``, (B, H, d_k, d_v) fp32) and the convolution inputs; O(d²)
@@ -31,19 +31,11 @@ import torch
 from torch import nn
 
 from zoo.cache import RecurrentLayer
-from zoo.ops.delta_rule import carried, state_dtype
-from zoo.ops.fla_backend import model_dtype_inputs
-from zoo.ops.gated_linear import (
-    LowRankDecay,
-    Mamba2Decay,
-    OutputNorm,
-    gated_linear_attention,
-    gated_linear_flops,
-    gated_linear_recurrence,
-    normalized,
-    retnet_log_decay,
-)
-from zoo.ops.short_conv import ShortConv, gate_source
+from zoo.modules import LowRankDecay, Mamba2Decay, OutputNorm, ShortConv, gate_source, normalized, retnet_log_decay
+from zoo.ops.backends.fla import model_dtype_inputs
+from zoo.ops.gated_linear import gated_linear_attention, gated_linear_flops
+from zoo.ops.gated_linear.naive import gated_linear_recurrence
+from zoo.ops.state import carried, state_dtype
 from zoo.variant import AttentionCall, LayerWeights, Param, Variant
 
 STATE = "gla"

@@ -13,7 +13,7 @@ prefill builds it in the same chunked O(n) pass, each new token costs O(d²). It
 (assisted decoding is refused with a clear error).
 
 ``short_conv`` (default 0 = off, as saved models and the main job were trained): a learned causal depthwise
-convolution of that many taps on q, k and v before φ (:class:`zoo.ops.short_conv.ShortConv`, weights
+convolution of that many taps on q, k and v before φ (:class:`zoo.modules.ShortConv`, weights
 ``attention_zoo.{q,k,v}.weight``; its last inputs join the decoding state).
 """
 
@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from zoo.cache import RecurrentLayer
+from zoo.modules import ShortConv, short_conv_inputs
 from zoo.ops import (
     allowed_mask,
     default_chunk_size,
@@ -31,7 +32,6 @@ from zoo.ops import (
     linear_attention_flops,
     linear_attention_reference,
 )
-from zoo.ops.short_conv import ShortConv, short_conv_inputs
 from zoo.variant import AttentionCall, Param, Variant
 
 

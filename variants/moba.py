@@ -11,9 +11,9 @@ have no "own block" boundary to read up to), so use another variant there.
 Kernel (:mod:`zoo.ops.moba`): each row over its own span (:func:`zoo.ops.by_row_span`), the gate chunk by chunk of
 queries (O(n²·d / block) time, never n x n), then attention over the chosen blocks (O(n·(top_k + 1)·block·d)): on
 CPU by key block (:func:`zoo.ops.block_grouped.block_grouped_attention`, shared with NSA), otherwise one gathered
-entry per query (:func:`zoo.ops.gathered_attention`), recomputed in the backward. The gate is a hard
-choice and gets no gradient. :meth:`MoBAAttention.reference` is dense softmax attention restricted to the keys the
-kernel selects (tests only).
+entry per query (:func:`zoo.ops.gathered_attention`), recomputed in the backward; that kernel choice is the first
+line of :func:`zoo.ops.moba.moba_attention`. The gate is a hard choice and gets no gradient.
+:meth:`MoBAAttention.reference` is dense softmax attention restricted to the keys the kernel selects (tests only).
 
 Decoding (:class:`MoBALayer`): every key and the mean key of each complete block of each row; a step scores the
 block means and gathers its blocks: O(n·d / block + (top_k + 1)·block·d) per token.
@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from zoo.cache import KernelStateLayer
-from zoo.cache.kernel_state import complete_blocks, row_blocks
+from zoo.cache.block_summary import BlockSummaryLayer
+from zoo.cache.kernel_state import row_blocks
 from zoo.ops import by_row_span, expand_kv, softmax_attention
-from zoo.ops.moba import decode_attention, masked_block_mean, moba_allowed, moba_attention, moba_flops
+from zoo.ops.moba import decode_attention, masked_block_mean, moba_attention, moba_flops
+from zoo.ops.moba.naive import moba_allowed
 from zoo.variant import AttentionCall, Param, Variant
 
 
@@ -71,50 +72,34 @@ class MoBAAttention(Variant):
         return MoBALayer(self.block_size)
 
 
-class MoBALayer(KernelStateLayer):
+class MoBALayer(BlockSummaryLayer):
     """Every key and, per row and KV head, the mean key of each complete block counted from the row's first real
-    token (``means`` (B, H_kv, J, D) fp32, ``filled`` (B, J): the block holds a real key; ``summarized`` (B,)
-    blocks done; ``row_start`` (B,)). Blocks are summarized when the kernel first asks after they complete, with the
-    arithmetic of the full forward (:func:`zoo.ops.moba.masked_block_mean`)."""
+    token (``means`` (B, H_kv, J, D) fp32; ``filled``, ``summarized``, ``row_start`` as
+    :class:`zoo.cache.block_summary.BlockSummaryLayer`), with the arithmetic of the full forward
+    (:func:`zoo.ops.moba.masked_block_mean`)."""
 
-    state_names = ("means", "filled", "summarized", "row_start")
+    summary_names = ("means",)
 
     def __init__(self, block_size: int) -> None:
-        super().__init__()
+        super().__init__(block_size, block_size)
         self.block_size = block_size
+
+    def empty_summaries(self) -> tuple[torch.Tensor, ...]:
+        batch, kv_heads, _, dim = self.keys.shape
+        return (self.keys.new_zeros(batch, kv_heads, 0, dim, dtype=torch.float32),)
 
     def block_summaries(
         self, padding_mask: torch.Tensor | None, row_start: torch.Tensor | None, heads: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(means (B, heads, J, D) fp32, filled (B, J) bool) of the complete blocks of each row, brought up to date:
         O(new tokens · d) amortized, plus repeating the means to the ``heads`` query heads."""
-        keys, block = self.keys, self.block_size
-        batch, kv_heads, n, dim = keys.shape
-        starts = self.row_starts(row_start)
-        complete = complete_blocks(n, starts, block, block)
-        if self.means is None:
-            self.means = keys.new_zeros(batch, kv_heads, 0, dim, dtype=torch.float32)
-            self.filled = torch.zeros(batch, 0, dtype=torch.bool, device=keys.device)
-            self.summarized = torch.zeros(batch, dtype=torch.long, device=keys.device)
-        self.row_start = starts
-        first, total = int(self.summarized.min()), int(complete.max())
-        if total > first:
-            numbers = torch.arange(first, total, device=keys.device)
-            blocks, real = row_blocks(keys, starts, padding_mask, numbers, block, block)
-            means, counts = masked_block_mean(blocks.float(), real[:, None])
-            self.means = torch.cat([self.means[:, :, :first], means], 2)
-            self.filled = torch.cat([self.filled[:, :first], (counts[:, 0] > 0) & (numbers < complete[:, None])], 1)
-            self.summarized = complete
-        groups = heads // kv_heads
-        return (self.means.repeat_interleave(groups, 1) if groups > 1 else self.means), self.filled
+        block = self.block_size
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """Forget the last ``-tokens_to_remove`` tokens, and the summaries of the blocks they completed."""
-        super().crop(tokens_to_remove)
-        if self.summarized is not None and self.is_initialized:
-            complete = complete_blocks(self.seen, self.row_start, self.block_size, self.block_size)
-            self.summarized = torch.minimum(self.summarized, complete)
-            kept = int(self.summarized.max())
-            numbers = torch.arange(kept, device=self.filled.device)
-            self.means = self.means[:, :, :kept]
-            self.filled = self.filled[:, :kept] & (numbers < self.summarized[:, None])
+        def summarize(numbers: torch.Tensor, starts: torch.Tensor):
+            blocks, real = row_blocks(self.keys, starts, padding_mask, numbers, block, block)
+            means, counts = masked_block_mean(blocks.float(), real[:, None])
+            return (means,), counts[:, 0] > 0
+
+        (means,), filled = self.summaries(self.row_starts(row_start), summarize)
+        groups = heads // self.keys.shape[1]
+        return (means.repeat_interleave(groups, 1) if groups > 1 else means), filled

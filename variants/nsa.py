@@ -38,11 +38,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.cache import KernelStateLayer
+from zoo.cache.block_summary import BlockSummaryLayer
 from zoo.cache.kernel_state import complete_blocks, row_blocks
+from zoo.modules import gate_source
 from zoo.ops import by_row_span
-from zoo.ops.nsa import NSABlocks, mix, nsa_branches, nsa_decode_branches, nsa_flops, nsa_reference_branches
-from zoo.ops.short_conv import gate_source
+from zoo.ops.nsa import NSABlocks, mix, nsa_branches, nsa_decode_branches, nsa_flops
+from zoo.ops.nsa.naive import nsa_reference_branches
 from zoo.variant import AttentionCall, LayerWeights, Param, Variant, VariantParameterError
 
 
@@ -75,7 +76,7 @@ class NSAWeights(LayerWeights):
 
     def gates(self, k: torch.Tensor, count: int, dtype: torch.dtype) -> torch.Tensor:
         """(B, H, Q, 3) gates of the last ``count`` tokens: from the hidden states inside a model; called alone, from
-        the keys with the heads merged (:func:`zoo.ops.short_conv.gate_source`)."""
+        the keys with the heads merged (:func:`zoo.modules.gate_source`)."""
         hidden = self.hidden_states
         source = gate_source(
             None if hidden is None else hidden[:, -count:], k[..., -count:, :], self.gate.in_features, "nsa"
@@ -182,49 +183,29 @@ class NSAAttention(Variant):
         return nsa_decode_branches(q, k, v, call, geometry, keys, values, filled, starts)
 
 
-class NSALayer(KernelStateLayer):
+class NSALayer(BlockSummaryLayer):
     """Every key and, per row and KV head, the compressed key and value of each complete block counted from the
-    row's first real token (``compressed_keys``/``compressed_values`` (B, H_kv, J, d_h), ``filled`` (B, J): complete
-    and holding a real token; ``compressed`` (B,) blocks done; ``row_start`` (B,)). Blocks are compressed when the
-    kernel first asks after they complete, with the layer's compression maps."""
+    row's first real token (``compressed_keys``/``compressed_values`` (B, H_kv, J, d_h); ``filled``, ``summarized``,
+    ``row_start`` as :class:`zoo.cache.block_summary.BlockSummaryLayer`), compressed with the layer's maps."""
 
-    state_names = ("compressed_keys", "compressed_values", "filled", "compressed", "row_start")
+    summary_names = ("compressed_keys", "compressed_values")
 
     def __init__(self, geometry: NSABlocks) -> None:
-        super().__init__()
+        super().__init__(geometry.compress, geometry.stride)
         self.geometry = geometry
+
+    def empty_summaries(self) -> tuple[torch.Tensor, ...]:
+        return self.keys[:, :, :0, :], self.values[:, :, :0, :]
 
     def compressed_blocks(self, padding_mask: torch.Tensor | None, starts: torch.Tensor, weights: NSAWeights):
         """(keys, values (B, H_kv, J, d_h), filled (B, J)) brought up to date: O(new tokens · d_h) amortized."""
-        geometry, keys = self.geometry, self.keys
-        complete = complete_blocks(self.seen, starts, geometry.compress, geometry.stride)
-        if self.compressed is None:
-            self.compressed = torch.zeros_like(complete)
-            self.compressed_keys, self.compressed_values = (x[:, :, :0, :] for x in (keys, self.values))
-            self.filled = torch.zeros(keys.shape[0], 0, dtype=torch.bool, device=keys.device)
-        self.row_start = starts
-        first, total = int(self.compressed.min()), int(complete.max())
-        if total > first:
-            numbers = torch.arange(first, total, device=keys.device)
-            with torch.no_grad():
-                new_keys, new_values, filled = weights.compress_rows(
-                    keys, self.values, starts, padding_mask, numbers, geometry
-                )
-            self.compressed_keys = torch.cat([self.compressed_keys[:, :, :first], new_keys], 2)
-            self.compressed_values = torch.cat([self.compressed_values[:, :, :first], new_values], 2)
-            self.filled = torch.cat([self.filled[:, :first], filled], 1)
-            self.compressed = complete
-        return self.compressed_keys, self.compressed_values, self.filled
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """Forget the last ``-tokens_to_remove`` tokens, and the compressed blocks they completed."""
-        super().crop(tokens_to_remove)
-        if self.compressed is not None and self.is_initialized:
-            geometry = self.geometry
-            complete = complete_blocks(self.seen, self.row_start, geometry.compress, geometry.stride)
-            self.compressed = torch.minimum(self.compressed, complete)
-            kept = int(self.compressed.max())
-            numbers = torch.arange(kept, device=self.filled.device)
-            self.compressed_keys = self.compressed_keys[:, :, :kept]
-            self.compressed_values = self.compressed_values[:, :, :kept]
-            self.filled = self.filled[:, :kept] & (numbers < self.compressed[:, None])
+        def summarize(numbers: torch.Tensor, starts: torch.Tensor):
+            with torch.no_grad():
+                keys, values, filled = weights.compress_rows(
+                    self.keys, self.values, starts, padding_mask, numbers, self.geometry
+                )
+            return (keys, values), filled
+
+        (keys, values), filled = self.summaries(starts, summarize)
+        return keys, values, filled

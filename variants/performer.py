@@ -20,7 +20,7 @@ each new token costs O(m·d). The features use the same W as the prefill (eval n
 stabilizer becomes a running maximum that rescales the sums when it grows. It cannot be rolled back.
 
 ``short_conv`` (default 0 = off): a learned causal depthwise convolution on q, k and v before the features
-(:class:`zoo.ops.short_conv.ShortConv`, held by the redraw counter when there is one), its last inputs kept in the
+(:class:`zoo.modules.ShortConv`, held by the redraw counter when there is one), its last inputs kept in the
 decoding state.
 """
 
@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from zoo.cache import RecurrentLayer
+from zoo.modules import ShortConv, short_conv_inputs
 from zoo.ops import default_chunk_size, in_head_groups, linear_attention, linear_attention_flops, stream_seed
-from zoo.ops.short_conv import ShortConv, short_conv_inputs
 from zoo.variant import AttentionCall, LayerWeights, Param, Variant
 
 TRAINING_CALLS = "training_calls"  # call.state key: training forward calls per layer (the redraw counter)

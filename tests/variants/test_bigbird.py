@@ -147,7 +147,7 @@ def test_chunks_give_the_same_output_and_gradients(causal, monkeypatch):
     mask[1, 200:] = False
     results = []
     for chunk in (2**25, 1):  # everything in one chunk; one query block per chunk
-        monkeypatch.setattr("zoo.ops.gathered.GATHER_CHUNK_ELEMENTS", chunk)
+        monkeypatch.setattr("zoo.ops.limits.GATHER_CHUNK_ELEMENTS", chunk)
         q, k, v = (x.requires_grad_() for x in qkv(300, seed=2))
         out = run_variant(variant, q, k, v, call(causal, mask))
         out.pow(2).sum().backward()

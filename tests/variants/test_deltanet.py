@@ -20,7 +20,8 @@ from zoo.variants.gated_deltanet import GatedDeltaNetAttention
 import zoo
 from zoo import testing
 from zoo.cache import CacheRollbackError, RecurrentLayer, cache_nbytes
-from zoo.ops.delta_rule import delta_rule, delta_rule_recurrence, l2_normalized
+from zoo.ops.delta_rule import delta_rule, l2_normalized
+from zoo.ops.delta_rule.naive import delta_rule_recurrence
 from zoo.testing import run_variant  # the plug's entry point, wherever the package keeps it
 
 
@@ -274,8 +275,9 @@ def test_other_families_decode_like_the_full_forward(family):
 
 @pytest.mark.parametrize("gated", [False, True])
 def test_hand_written_backward_passes_gradcheck(gated):
-    """The chunk loop's hand-written backward (zoo.ops.delta_rule._ChunkLoop), fp64 finite differences: a length that
-    is no chunk multiple, an initial state, with and without decay; the recurrence's gradients are checked above."""
+    """The chunk loop's hand-written backward (zoo.ops.delta_rule.chunk._ChunkLoop), fp64 finite differences: a
+    length that is no chunk multiple, an initial state, with and without decay; the recurrence's gradients are checked
+    above."""
     q, k, v, beta, log_decay, state = (x.requires_grad_() for x in inputs(11, batch=1, heads=2, d_k=3, d_v=2))
     decay = log_decay if gated else None
 

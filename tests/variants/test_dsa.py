@@ -13,8 +13,9 @@ from zoo.variants.dsa import DSAAttention, DSAIndexer, DSALayer, indexer_losses
 import zoo
 from zoo.cache import GrowingLayer, cache_nbytes
 from zoo.ops import dsa as dsa_ops
-from zoo.ops import gathered, softmax_attention
+from zoo.ops import limits, softmax_attention
 from zoo.ops.dsa import dense_indexer_kl, indexer_kl, top_tokens
+from zoo.ops.dsa.naive import dsa_naive, dsa_naive_mask, selected_mask
 from zoo.plug.dispatch import run_variant
 from zoo.testing import make_call, make_weights, reference
 
@@ -36,32 +37,23 @@ def indexer_of(variant: DSAAttention, dtype=torch.float32) -> DSAIndexer:
     return make_weights(variant, heads=HEADS, head_dim=DIM).to(dtype)
 
 
-def naive_allowed(k, mask, weights: DSAIndexer, top_k: int) -> torch.Tensor:
-    """(B, 1, n, n) bool, one query at a time: I(t, s) = Σ_j w_tj ReLU(q^I_tj · k^I_s) in float64 from the keys with the
-    heads merged (what the indexer reads outside a model); the top_k real keys s ≤ t win, ties to the later key."""
-    batch, _, n, _ = k.shape
-    mask = torch.ones(batch, n, dtype=torch.bool) if mask is None else mask
+def indexer_inputs(k, weights: DSAIndexer):
+    """The indexer's queries, weights and keys in float64 from the keys with the heads merged (what the indexer reads
+    outside a model)."""
     source = k.detach().transpose(1, 2).flatten(2).double()
     index_q = (source @ weights.query.weight.detach().double().T).unflatten(-1, (weights.heads, weights.dim))
     index_w = source @ weights.head_weights.weight.detach().double().T
     index_k = source @ weights.key.weight.detach().double().T
-    allowed = torch.zeros(batch, 1, n, n, dtype=torch.bool)
-    for b in range(batch):
-        for t in range(n):
-            ranked = []
-            for s in range(t + 1):
-                if mask[b, s]:
-                    score = sum(float(index_w[b, t, j]) * max(float(index_q[b, t, j] @ index_k[b, s]), 0.0)
-                                for j in range(weights.heads))
-                    ranked.append((-score, -s))
-            for _, minus_s in sorted(ranked)[:top_k]:
-                allowed[b, 0, t, -minus_s] = True
-    return allowed
+    return index_q, index_w, index_k
+
+
+def naive_allowed(k, mask, weights: DSAIndexer, top_k: int) -> torch.Tensor:
+    """(B, 1, n, n) bool: the indexer's rule one query at a time (:func:`zoo.ops.dsa.naive.dsa_naive_mask`)."""
+    return dsa_naive_mask(*indexer_inputs(k, weights), mask, top_k)
 
 
 def naive_attention(q, k, v, mask, weights, top_k):
-    out = softmax_attention(q, k, v, naive_allowed(k, mask, weights, top_k), DIM**-0.5)
-    return out if mask is None else out.masked_fill(~mask[:, None, :, None], 0.0)
+    return dsa_naive(q, k, v, *indexer_inputs(k, weights), mask, top_k, DIM**-0.5)
 
 
 @pytest.mark.parametrize("padding", [None, "left", "right"])
@@ -130,7 +122,7 @@ def outputs_and_gradients(attention, inputs, grad_out) -> list[torch.Tensor]:
                          ids=["flash", "gathered-sdpa", "left-padded", "gathered-sdpa-in-chunks"])
 def test_outputs_and_gradients_match_the_per_query_loop(monkeypatch, dtype, padded, chunks):
     if chunks:  # the off-CPU-flash path in many chunks of at most 7 SDPA entries (CUDA: 2^15)
-        monkeypatch.setattr(gathered, "DEVICE_CHUNK_ENTRIES", chunks)
+        monkeypatch.setattr(limits, "DEVICE_CHUNK_ENTRIES", chunks)
     n, top_k = 37, 6
     q, k, v = qkv(n, dtype=dtype)
     mask = left_padded(n, 5) if padded else None
@@ -293,7 +285,7 @@ def test_cache_rollback_forgets_the_indexer_keys_of_the_dropped_tokens():
 def test_token_kernel_equals_dense_softmax_over_the_same_keys(chunk, monkeypatch):
     """The CPU kernel on a random selection (some slots unchosen, a query without keys, chunks all chosen and not):
     outputs, gradients and the KL target against dense softmax restricted to the same keys."""
-    monkeypatch.setattr(dsa_ops, "CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(limits, "DSA_GATHER_CHUNK_ELEMENTS", chunk)
     n, slots = 29, 5
     q, k, v = qkv(n)
     gen = torch.Generator().manual_seed(4)
@@ -303,7 +295,7 @@ def test_token_kernel_equals_dense_softmax_over_the_same_keys(chunk, monkeypatch
     chosen = torch.ones(2, n, slots, dtype=torch.bool)
     chosen[:, :slots - 1] = torch.arange(slots) <= torch.arange(slots - 1)[:, None]  # the first queries: t + 1 keys
     chosen[1, 20, :] = False  # no key at all: zero output and gradients
-    allowed = dsa_ops.selected_mask(index, chosen, n)[:, None]
+    allowed = selected_mask(index, chosen, n)[:, None]
     call = make_call(True, None, head_dim=DIM)
     grad_out = torch.randn(2, HEADS, n, DIM, generator=gen)
     kernel = outputs_and_gradients(lambda *x: dsa_ops.token_attention(*x, index, chosen, call), (q, k, v), grad_out)

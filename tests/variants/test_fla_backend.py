@@ -1,4 +1,4 @@
-"""The optional flash-linear-attention backend (``zoo.ops.fla_backend``) of the delta rule and gated linear attention.
+"""The optional flash-linear-attention backend (``zoo.ops.backends.fla``) of the delta rule and gated linear attention.
 
 On the CPU (these run everywhere): fla is never imported, nor touched when a module of that name is present; the
 dispatch gives None for CPU tensors, fp32/fp64, head dims fla does not take and ``ATTENTION_ZOO_FLA=0``; the
@@ -33,11 +33,13 @@ import transformers
 
 import zoo
 from zoo import testing
-from zoo.ops import delta_rule as delta_rule_module
-from zoo.ops import fla_backend
-from zoo.ops import gated_linear as gated_linear_module
-from zoo.ops.delta_rule import delta_rule, delta_rule_recurrence
-from zoo.ops.gated_linear import gated_linear_attention, gated_linear_recurrence
+from zoo.ops.backends import fla as fla_backend
+from zoo.ops.delta_rule import chunk as delta_rule_module
+from zoo.ops.delta_rule import delta_rule
+from zoo.ops.delta_rule.naive import delta_rule_recurrence
+from zoo.ops.gated_linear import chunk as gated_linear_module
+from zoo.ops.gated_linear import gated_linear_attention
+from zoo.ops.gated_linear.naive import gated_linear_recurrence
 
 HAS_FLA = torch.cuda.is_available() and importlib.util.find_spec("fla") is not None  # find_spec imports nothing
 cuda_fla = pytest.mark.skipif(not HAS_FLA, reason="needs CUDA and flash-linear-attention (attention-zoo[fla])")

@@ -1,4 +1,4 @@
-"""fla's selected-block kernel as the CUDA backend of ``nsa``'s selected branch (``zoo.ops.fla_backend``).
+"""fla's selected-block kernel as the CUDA backend of ``nsa``'s selected branch (``zoo.ops.backends.fla``).
 
 On the CPU (these run everywhere): which calls the dispatch hands fla (a KV group of 16, 32, ... query heads,
 selection blocks of a power of two >= 16, no padding, as many queries as keys, no dropout, CUDA half precision), and
@@ -22,10 +22,10 @@ import torch
 import transformers
 
 import zoo
-from zoo.ops import fla_backend
-from zoo.ops import nsa as nsa_ops
+from zoo.ops.backends import fla as fla_backend
+from zoo.ops.chosen_blocks import selected_blocks_mask
 from zoo.ops.dense import softmax_attention
-from zoo.ops.selection import selected_blocks_mask
+from zoo.ops.nsa import kernel as nsa_ops
 
 from .test_fla_backend import GRAD_TOL, OUT_TOL, assert_close_ratio, counted
 
@@ -76,7 +76,7 @@ def selected(q, k, v, blocks, chosen, size):
     """The selected branch of one KV group (``branch_inputs``)."""
     positions = torch.arange(k.shape[-2], device=q.device)
     q, k, v, blocks, chosen = as_the_plug_gives(q, k, v, blocks, chosen)
-    return nsa_ops.selected_attention(q, k, v, call_of(q), size, blocks, chosen, positions, q.shape[1])
+    return nsa_ops.selected_branch(q, k, v, call_of(q), size, blocks, chosen, positions, q.shape[1])
 
 
 def reference(q, k, v, blocks, chosen, size):
@@ -147,7 +147,7 @@ def test_routed_gradients_equal_the_gathered_kernel_the_cuda_path_runs(monkeypat
     """The CUDA comparison below, on the CPU: the zoo's gathered kernel (what CUDA runs without fla) against the
     stand-in, forward and the gradients of q and of the KV head's k, v (summed over its repeats)."""
     args = branch_inputs(n=120, dim=16)
-    monkeypatch.setattr(nsa_ops, "flash_available", lambda q: False)
+    monkeypatch.setattr(nsa_ops, "by_key_block_applies", lambda q, k, call: False)
     want = forward_backward(*args, 16)
     monkeypatch.setattr(fla_backend, "_loaded", {"nsa_selected": StandInNSA})
     monkeypatch.setattr(fla_backend, "applies", lambda q, k, v: True)

@@ -10,7 +10,9 @@ from zoo.variants.gla import GLAAttention
 
 import zoo
 from zoo import testing
-from zoo.ops.gated_linear import gated_linear_attention, gated_linear_recurrence, retnet_log_decay
+from zoo.modules import retnet_log_decay
+from zoo.ops.gated_linear import gated_linear_attention
+from zoo.ops.gated_linear.naive import gated_linear_recurrence
 from zoo.testing import run_variant
 
 

@@ -12,6 +12,7 @@ from zoo.variants.linear import LinearAttention
 
 import zoo
 from zoo.ops import linear_attention
+from zoo.ops.linear.naive import linear_attention_loop
 from zoo.plug.dispatch import run_variant
 from zoo.testing import assert_memory_below_quadratic
 from zoo.variant import AttentionCall, Variant
@@ -36,23 +37,8 @@ def call(causal: bool, mask: torch.Tensor | None = None) -> AttentionCall:
 
 
 def equation(q, k, v, causal: bool, mask: torch.Tensor | None) -> torch.Tensor:
-    """The paper's equation written out: per query, a Python sum over the keys it may see (tiny n only)."""
-    batch, heads, q_len, _ = q.shape
-    kv_len = k.shape[-2]
-    out = torch.zeros(batch, heads, q_len, v.shape[-1], dtype=torch.float64)
-    for b in range(batch):
-        for h in range(heads):
-            for i in range(q_len):
-                position = kv_len - q_len + i
-                numerator, denominator = 0.0, 0.0
-                for j in range(kv_len):
-                    if (causal and j > position) or (mask is not None and not mask[b, j]):
-                        continue
-                    weight = (F.elu(q[b, h, i]) + 1) @ (F.elu(k[b, h, j]) + 1)
-                    numerator, denominator = numerator + weight * v[b, h, j], denominator + weight
-                if denominator > 0:
-                    out[b, h, i] = numerator / denominator
-    return out
+    """The paper's equation written out (:func:`zoo.ops.linear.naive.linear_attention_loop`) with φ = elu + 1."""
+    return linear_attention_loop(F.elu(q) + 1, F.elu(k) + 1, v, causal, mask)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -12,9 +12,10 @@ from zoo.variants.moba import MoBAAttention, MoBALayer
 
 import zoo
 from zoo.cache import GrowingLayer, cache_nbytes
-from zoo.ops import gathered, softmax_attention
+from zoo.ops import chosen_blocks, limits, softmax_attention
 from zoo.ops import moba as moba_ops
-from zoo.ops import selection as selection_ops
+from zoo.ops.choose import top_blocks
+from zoo.ops.moba.naive import moba_naive, moba_naive_mask
 from zoo.plug.dispatch import run_variant
 from zoo.testing import make_call, reference
 
@@ -32,35 +33,6 @@ def left_padded(batch: int, n: int, pad: int) -> torch.Tensor:
     return mask
 
 
-def naive_allowed(q, k, mask, block: int, top_k: int) -> torch.Tensor:
-    """(B, H, n, n) bool, one query at a time: blocks counted from the row's first real token; the gate of each
-    complete earlier block is q · (mean of its real keys); the top_k gates win, ties to the earlier block; plus the
-    query's own block up to the query."""
-    batch, heads, n, _ = q.shape
-    mask = torch.ones(batch, n, dtype=torch.bool) if mask is None else mask
-    allowed = torch.zeros(batch, heads, n, n, dtype=torch.bool)
-    for b in range(batch):
-        start = int(mask[b].float().argmax())
-        for h in range(heads):
-            for t in range(start, n):
-                own = (t - start) // block
-                gates = []
-                for j in range(own):
-                    keys = [s for s in range(start + j * block, start + (j + 1) * block) if mask[b, s]]
-                    if keys:
-                        mean = k[b, h, keys].detach().double().mean(0)
-                        gates.append((-float(q[b, h, t].detach().double() @ mean), j))
-                for _, j in sorted(gates)[:top_k]:
-                    allowed[b, h, t, start + j * block : start + (j + 1) * block] = True
-                allowed[b, h, t, start + own * block : t + 1] = True
-    return allowed & mask[:, None, None, :]
-
-
-def naive_attention(q, k, v, mask, block: int, top_k: int) -> torch.Tensor:
-    out = softmax_attention(q, k, v, naive_allowed(q, k, mask, block, top_k), DIM**-0.5)
-    return out if mask is None else out.masked_fill(~mask[:, None, :, None], 0.0)
-
-
 @pytest.mark.parametrize("padding", [None, "left", "right"])
 @pytest.mark.parametrize(("block", "top_k"), [(8, 2), (5, 3), (16, 1)])
 def test_kernel_reads_the_keys_the_per_query_loop_selects(padding, block, top_k):
@@ -75,10 +47,10 @@ def test_kernel_reads_the_keys_the_per_query_loop_selects(padding, block, top_k)
     variant = MoBAAttention(block_size=block, top_k=top_k)
     call = make_call(True, mask, head_dim=DIM)
     out = run_variant(variant, q, k, v, call)
-    torch.testing.assert_close(out, naive_attention(q, k, v, mask, block, top_k), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out, moba_naive(q, k, v, mask, block, top_k, DIM**-0.5), atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(reference(variant, q, k, v, call), out, atol=1e-5, rtol=1e-4)
     # the selection is sparse here: fewer keys than causal attention for the late queries
-    allowed = naive_allowed(q, k, mask, block, top_k)
+    allowed = moba_naive_mask(q, k, mask, block, top_k)
     assert int(allowed[..., -1, :].sum(-1).max()) <= (top_k + 1) * block < n
 
 
@@ -90,16 +62,16 @@ def test_padding_inside_a_row_is_left_out_of_the_block_means():
     mask[1, 3:7] = False
     k[1, :, 3:7] = 100.0  # would dominate block 0's mean if it counted
     out = run_variant(MoBAAttention(block_size=block, top_k=top_k), q, k, v, make_call(True, mask, DIM))
-    torch.testing.assert_close(out, naive_attention(q, k, v, mask, block, top_k), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out, moba_naive(q, k, v, mask, block, top_k, DIM**-0.5), atol=1e-5, rtol=1e-4)
 
 
 def test_selection_is_per_query_head():
     q, k, _ = qkv(64, batch=1, heads=4)
     k[:, 1] = k[:, 0]  # two heads of one KV group: the same keys, their own queries
-    allowed = naive_allowed(q, k, None, 8, 2)
+    allowed = moba_naive_mask(q, k, None, 8, 2)
     assert not torch.equal(allowed[:, 0], allowed[:, 1])
     torch.testing.assert_close(run_variant(MoBAAttention(block_size=8, top_k=2), q, k, _, make_call(True, None, DIM)),
-                               naive_attention(q, k, _, None, 8, 2), atol=1e-5, rtol=1e-4)
+                               moba_naive(q, k, _, None, 8, 2, DIM**-0.5), atol=1e-5, rtol=1e-4)
 
 
 def test_ties_go_to_the_earlier_blocks():
@@ -113,7 +85,7 @@ def test_ties_go_to_the_earlier_blocks():
         own = t // block
         keys = list(range(min(top_k, own) * block)) + list(range(own * block, t + 1))
         torch.testing.assert_close(out[0, 0, t], v[0, 0, keys].mean(0), atol=1e-5, rtol=1e-4)
-    blocks, chosen = moba_ops.top_blocks(torch.zeros(1, 5), torch.tensor([[True, False, True, True, True]]), 3)
+    blocks, chosen = top_blocks(torch.zeros(1, 5), torch.tensor([[True, False, True, True, True]]), 3)
     assert blocks.tolist() == [[0, 2, 3]] and chosen.all()
 
 
@@ -156,14 +128,14 @@ def outputs_and_gradients(attention, inputs, grad_out) -> list[torch.Tensor]:
 def test_outputs_and_gradients_match_the_per_query_loop(monkeypatch, dtype, padded, chunks):
     """fp32 on CPU runs the kernel grouped by key block, fp64 the gathered one per query: both equal the loop."""
     if chunks:  # the off-CPU-flash path in many chunks of at most 7 SDPA entries (CUDA: 2^15)
-        monkeypatch.setattr(gathered, "DEVICE_CHUNK_ENTRIES", chunks)
+        monkeypatch.setattr(limits, "DEVICE_CHUNK_ENTRIES", chunks)
     n, block, top_k = 45, 6, 2
     q, k, v = (x.to(dtype) for x in qkv(n))
     mask = left_padded(2, n, 5) if padded else None
     grad_out = torch.randn(2, HEADS, n, DIM, generator=torch.Generator().manual_seed(3)).to(dtype)
     variant, call = MoBAAttention(block_size=block, top_k=top_k), make_call(True, mask, DIM)
     kernel = outputs_and_gradients(lambda *x: run_variant(variant, *x, call), (q, k, v), grad_out)
-    loop = outputs_and_gradients(lambda *x: naive_attention(*x, mask, block, top_k), (q, k, v), grad_out)
+    loop = outputs_and_gradients(lambda *x: moba_naive(*x, mask, block, top_k, DIM**-0.5), (q, k, v), grad_out)
     for got, want in zip(kernel, loop, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
@@ -244,13 +216,13 @@ def test_each_block_is_summarized_once_while_decoding(monkeypatch):
 def test_decoding_step_reads_its_blocks_only(monkeypatch):
     """A decoding step gathers (top_k + 1) blocks of keys per query, not the context."""
     gathered = []
-    real_rows = selection_ops.rows_attention
+    real_rows = chosen_blocks.rows_attention
 
     def recording(q, k, v, allowed, call):
         gathered.append(k.shape[-2])
         return real_rows(q, k, v, allowed, call)
 
-    monkeypatch.setattr(selection_ops, "rows_attention", recording)
+    monkeypatch.setattr(chosen_blocks, "rows_attention", recording)
     model = tiny_llama(block=4, top_k=2)
     ids, mask = prompts(length=40)
     with torch.no_grad():

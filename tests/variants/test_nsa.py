@@ -12,8 +12,12 @@ from zoo.variants.nsa import NSAAttention, NSALayer, NSAWeights
 
 import zoo
 from zoo.cache import GrowingLayer, cache_nbytes
+from zoo.ops import chosen_blocks, limits, softmax_attention
 from zoo.ops import nsa as nsa_ops
-from zoo.ops import softmax_attention
+from zoo.ops.choose import top_blocks
+from zoo.ops.nsa import NSABlocks
+from zoo.ops.nsa.kernel import select
+from zoo.ops.nsa.naive import nsa_naive
 from zoo.plug.dispatch import run_variant
 from zoo.testing import assert_memory_below_quadratic, decode_prompts, greedy, make_call, reference
 from zoo.variant import VariantParameterError
@@ -43,52 +47,10 @@ def padding_mask(padding: str | None, n: int, pad: int = 7) -> torch.Tensor | No
 
 
 def naive(q, k, v, hidden, mask, weights, l, d, sel, top_n, w):  # noqa: E741  (the paper's names)
-    """The rule, one query at a time, over each row's real tokens (positions from its first one)."""
-    batch, heads, n, _ = q.shape
-    groups, scale = heads // k.shape[1], q.shape[-1] ** -0.5
-    mask = torch.ones(batch, n, dtype=torch.bool) if mask is None else mask
-    gates = torch.sigmoid(weights.gate(hidden)).view(batch, n, heads, 3)
-    out = torch.zeros_like(q)
-    for b in range(batch):
-        real = mask[b].nonzero()[:, 0]
-        start, end = int(real[0]), int(real[-1]) + 1
-        for g in range(k.shape[1]):
-            keys, values = k[b, g, start:end], v[b, g, start:end]
-            blocks = range((end - start - l) // d + 1) if end - start >= l else range(0)
-            ck = [weights.key_compressor(keys[i * d : i * d + l]) for i in blocks]
-            cv = [weights.value_compressor(values[i * d : i * d + l]) for i in blocks]
-            for t in range(end - start):
-                seen = [i for i in blocks if i * d + l - 1 <= t]
-                heads_of = range(g * groups, (g + 1) * groups)
-                probs = {
-                    h: torch.softmax(torch.stack([q[b, h, start + t] @ ck[i] for i in seen]) * scale, 0)
-                    if seen
-                    else None
-                    for h in heads_of
-                }
-                own = t // sel
-                score = {
-                    j: sum(
-                        float(probs[h][seen.index(i)].detach())
-                        * len(set(range(i, i + l // d)) & set(range(j * sel // d, (j + 1) * sel // d)))
-                        for h in heads_of
-                        for i in seen
-                    )
-                    for j in range(own + 1)
-                }
-                forced = sorted({0, own, max(own - 1, 0)})
-                rest = sorted((-score[j], j) for j in range(own + 1) if j not in forced)
-                chosen = forced + [j for _, j in rest[: top_n - len(forced)]]
-                picked = [s for j in chosen for s in range(j * sel, (j + 1) * sel) if s <= t]
-                window = list(range(max(0, t - w + 1), t + 1))
-                for h in heads_of:
-                    o_cmp = probs[h] @ torch.stack([cv[i] for i in seen]) if seen else torch.zeros_like(values[0])
-                    o_slc, o_win = (
-                        torch.softmax(keys[s] @ q[b, h, start + t] * scale, 0) @ values[s] for s in (picked, window)
-                    )
-                    gate = gates[b, start + t, h]
-                    out[b, h, start + t] = gate[0] * o_cmp + gate[1] * o_slc + gate[2] * o_win
-    return out
+    """The rule, one query at a time (:func:`zoo.ops.nsa.naive.nsa_naive`), gated by the layer's own gates."""
+    gates = torch.sigmoid(weights.gate(hidden)).view(*hidden.shape[:2], q.shape[1], 3)
+    geometry = NSABlocks(l, d, sel, top_n, w)
+    return nsa_naive(q, k, v, gates, mask, weights.key_compressor, weights.value_compressor, geometry)
 
 
 def kernel(variant, q, k, v, hidden, mask, weights):
@@ -123,11 +85,9 @@ def test_outputs_and_gradients_match_the_per_query_loop(chunks, monkeypatch):
     """fp32, a left-padded row, GQA: gradients of q, k, v, the hidden states and every learned weight; with the
     query chunks of the selection and the compressed branch and the window's block chunks one call or many."""
     if chunks == "many":
-        from zoo.ops import block_grouped, selection
-
-        monkeypatch.setattr(nsa_ops, "QUERY_CHUNK", 5)
-        monkeypatch.setattr(selection, "SCORE_CHUNK_ELEMENTS", 600)
-        monkeypatch.setattr(block_grouped, "RUN_CHUNK_ELEMENTS", 1)
+        monkeypatch.setattr(limits, "NSA_COMPRESSED_QUERY_CHUNK", 5)
+        monkeypatch.setattr(limits, "SCORE_CHUNK_ELEMENTS", 600)
+        monkeypatch.setattr(limits, "RUN_CHUNK_ELEMENTS", 1)
     n = 37
     q, k, v, hidden, weights = inputs(n)
     mask = padding_mask("left", n, 5)
@@ -151,7 +111,7 @@ def test_outputs_and_gradients_match_the_per_query_loop(chunks, monkeypatch):
 def test_the_first_and_local_blocks_are_always_read():
     """Compressed keys that make the latest blocks score highest: the first and the two local blocks are read
     anyway, with top_n - 3 of the best others, never a block after the query's."""
-    geometry = nsa_ops.NSABlocks(compress=4, stride=4, select=4, top_n=5, window=4)
+    geometry = NSABlocks(compress=4, stride=4, select=4, top_n=5, window=4)
     n = 40
     q = torch.ones(1, 2, n, DIM)
     keys = torch.arange(10.0)[None, None, :, None].expand(1, 1, 10, DIM) * 0.1  # later blocks score higher
@@ -161,7 +121,7 @@ def test_the_first_and_local_blocks_are_always_read():
     def visible(rows):
         return (ends[None, None, :] <= positions[rows, None])[:, None]
 
-    blocks, chosen = nsa_ops.select(q, keys, visible, (positions // 4)[None], geometry, 10, 1.0)
+    blocks, chosen = select(q, keys, visible, (positions // 4)[None], geometry, 10, 1.0)
     assert blocks.shape == (1, 1, n, 5)
     for t in range(n):
         read = set(blocks[0, 0, t][chosen[0, 0, t]].tolist())
@@ -224,18 +184,18 @@ def test_left_padding_content_and_amount_leave_real_rows_unchanged():
 def test_a_kv_group_shares_its_selection_and_sums_its_heads():
     n = 64
     q, k, v, hidden, weights = inputs(n, batch=1)
-    geometry = nsa_ops.NSABlocks(compress=8, stride=4, select=8, top_n=5, window=4)
+    geometry = NSABlocks(compress=8, stride=4, select=8, top_n=5, window=4)
     call = make_call(True, None, head_dim=DIM)
     expanded = [x.repeat_interleave(2, 1) for x in (k, v)]
     parts = nsa_ops.span_parts(q, *expanded, call, geometry, weights.key_compressor, weights.value_compressor, 2)
     blocks, chosen = parts[3], parts[4]
-    read = nsa_ops.selected_blocks_mask(blocks, chosen, 8, n, parts[5], None)
+    read = chosen_blocks.selected_blocks_mask(blocks, chosen, 8, n, parts[5], None)
     assert torch.equal(read[:, 0], read[:, 1]) and torch.equal(read[:, 2], read[:, 3])
     assert not torch.equal(read[:, 1], read[:, 2])
     alone = nsa_ops.span_parts(
         q[:, :1], *(x[:, :1] for x in expanded), call, geometry, weights.key_compressor, weights.value_compressor, 1
     )
-    mine = nsa_ops.selected_blocks_mask(alone[3], alone[4], 8, n, alone[5], None)
+    mine = chosen_blocks.selected_blocks_mask(alone[3], alone[4], 8, n, alone[5], None)
     assert not torch.equal(mine[:, 0], read[:, 0]), "the group's choice is not head 0's own"
 
 
@@ -309,9 +269,9 @@ def test_the_window_and_selected_kernels_equal_dense_softmax(n, width, block, dt
     scores = torch.rand(2, KV_HEADS, n, nb, generator=gen)
     own = torch.arange(n) // block
     earlier = torch.arange(nb) < own[:, None]
-    blocks, chosen = nsa_ops.top_blocks(scores, earlier & (torch.rand(2, KV_HEADS, n, nb, generator=gen) < 0.6), 3)
+    blocks, chosen = top_blocks(scores, earlier & (torch.rand(2, KV_HEADS, n, nb, generator=gen) < 0.6), 3)
     distance = torch.arange(n)[:, None] - torch.arange(n)
-    picked = nsa_ops.selected_blocks_mask(blocks, chosen, block, n, torch.arange(n), None)
+    picked = chosen_blocks.selected_blocks_mask(blocks, chosen, block, n, torch.arange(n), None)
     picked = (picked | ((distance >= 0) & (own[:, None] == own[None, :]))).repeat_interleave(2, 1)
     cases = [
         (lambda *x: band_attention(*x, width, block, DIM**-0.5, NO_DROPOUT), (distance >= 0) & (distance < width)),
@@ -365,10 +325,10 @@ def test_decoding_cache_keeps_the_compressed_blocks_and_counts_them():
     seen = out.sequences.shape[-1] - 1  # the last token was never fed back
     assert layer.seen == seen
     starts = [5, 0]
-    assert layer.compressed.tolist() == [(seen - s - 8) // 4 + 1 for s in starts]
+    assert layer.summarized.tolist() == [(seen - s - 8) // 4 + 1 for s in starts]
     weights = model.model.layers[0].self_attn.attention_zoo
     for row, start in enumerate(starts):
-        count = int(layer.compressed[row])
+        count = int(layer.summarized[row])
         with torch.no_grad():
             blocks = layer.keys[row, :, start : start + count * 4 + 4].unfold(1, 8, 4).transpose(-1, -2)
             torch.testing.assert_close(
@@ -377,7 +337,7 @@ def test_decoding_cache_keeps_the_compressed_blocks_and_counts_them():
         assert layer.filled[row, :count].all()
     extra = sum(
         x.numel() * x.element_size()
-        for x in (layer.compressed_keys, layer.compressed_values, layer.filled, layer.compressed, layer.row_start)
+        for x in (layer.compressed_keys, layer.compressed_values, layer.filled, layer.summarized, layer.row_start)
     )
     assert layer.nbytes() == GrowingLayer.nbytes(layer) + extra > GrowingLayer.nbytes(layer)
     assert cache_nbytes(out.past_key_values) == sum(x.nbytes() for x in out.past_key_values.layers)
@@ -408,9 +368,9 @@ def test_cache_rollback_forgets_the_blocks_it_completed():
     starts = torch.zeros(1, dtype=torch.long)
     with torch.no_grad():
         before, _, _ = layer.compressed_blocks(None, starts, weights)
-        assert layer.compressed.tolist() == [4]
+        assert layer.summarized.tolist() == [4]
         layer.crop(-5)  # 15 tokens: blocks 0 .. 1 complete
-        assert layer.compressed.tolist() == [2] and layer.filled.tolist() == [[True, True]]
+        assert layer.summarized.tolist() == [2] and layer.filled.tolist() == [[True, True]]
         again, _, filled = layer.compressed_blocks(None, starts, weights)
     torch.testing.assert_close(again, before[:, :, :2])
     assert filled.tolist() == [[True, True]]

@@ -1,7 +1,7 @@
-"""The short causal convolution (zoo.ops.short_conv) on every recurrent-state variant: it is the written-out
-depthwise sum, continues across calls from the kept inputs, ignores left padding; ``linear`` and ``performer``
-keep their behaviour at the default 0 and gain learned weights that train, reload and decode with it on; every
-recurrent variant decodes like the full forward with and without it, alone and in a ``hybrid`` with a window."""
+"""The short causal convolution (zoo.ops.causal_conv, zoo.modules.ShortConv) on every recurrent-state variant: it is
+the written-out depthwise sum, continues across calls from the kept inputs, ignores left padding; ``linear`` and
+``performer`` keep their behaviour at the default 0 and gain learned weights that train, reload and decode with it on;
+every recurrent variant decodes like the full forward with and without it, alone and in a ``hybrid`` with a window."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch.nn.functional as F
 import transformers
 
 from zoo import testing
-from zoo.ops.short_conv import ShortConv, causal_conv
+from zoo.modules import ShortConv
+from zoo.ops.causal_conv import causal_conv
 from zoo.testing import run_variant
 
 RECURRENT = ["deltanet", "gated_deltanet", "gla", "based", "linear", "performer"]

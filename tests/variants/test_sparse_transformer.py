@@ -117,7 +117,7 @@ def test_flash_path_equals_the_reference(pattern, causal, n, kind):
 def test_gathered_parts_in_small_chunks_equal_the_reference(pattern, causal, chunk, monkeypatch):
     """The strided band and the fixed summaries run chunk by chunk (zoo.ops.gathered): one query block per
     chunk, or a few."""
-    monkeypatch.setattr("zoo.ops.gathered.GATHER_CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr("zoo.ops.limits.GATHER_CHUNK_ELEMENTS", chunk)
     variant = SparseTransformerAttention(layout=pattern, stride=8, num_summary=3)
     q, k, v = qkv(3, 77)
     assert_same_output_and_gradients(variant, q, k, v, make_call(causal, padding("holes", 3, 77)), atol=1e-5)

@@ -15,12 +15,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from zoo.call import AttentionCall
+from zoo.ops import limits
 from zoo.ops.dense import pad_to_multiple
 from zoo.ops.dropout import Dropout, attention_backward, attention_forward
-from zoo.ops.flash import additive_mask
-
-# Key elements of the runs one window call reads (their gradients are as large): 8 MB in fp32.
-RUN_CHUNK_ELEMENTS = 2**21
+from zoo.ops.flash import additive_mask, flash_available
 
 
 class KeyBlockGroups:
@@ -66,6 +65,12 @@ def from_layout(x: torch.Tensor, batch: int, heads: int, n: int, block: int) -> 
     parts, nb, _, dim = x.shape
     x = x.view(batch, parts // batch, nb, heads * batch // parts, block, dim).permute(0, 1, 3, 2, 4, 5)
     return x.reshape(batch, heads, nb * block, dim)[:, :, :n]
+
+
+def by_key_block_applies(q: torch.Tensor, k: torch.Tensor, call: AttentionCall) -> bool:
+    """Whether :func:`block_grouped_attention` takes this call of one row span: the CPU flash kernels take q's dtype,
+    no padding inside the span, as many queries as keys. MoBA and NSA's selected branch decide here."""
+    return flash_available(q) and call.padding_mask is None and q.shape[-2] == k.shape[-2]
 
 
 def block_grouped_attention(
@@ -245,11 +250,12 @@ class ChunkedFlash(torch.autograd.Function):
 
 class _BandPlan:
     """:func:`band_attention`'s chunks: ranges of query blocks over their runs of keys (P, (front + nb)·block, D),
-    the first ``front`` blocks alone (their own masks), then about RUN_CHUNK_ELEMENTS key elements a chunk."""
+    the first ``front`` blocks alone (their own masks), then about ``limits.RUN_CHUNK_ELEMENTS`` key elements a
+    chunk."""
 
     def __init__(self, width: int, front: int, block: int, nb: int, heads: int, parts: int, dim: int, like) -> None:
         self.front, self.block, self.nb, self.span = front, block, nb, (front + 1) * block
-        self.step = max(1, RUN_CHUNK_ELEMENTS // (parts * self.span * dim))
+        self.step = max(1, limits.RUN_CHUNK_ELEMENTS // (parts * self.span * dim))
         rows, cols = torch.arange(block, device=like.device)[:, None], torch.arange(self.span, device=like.device)
         distance = rows + front * block - cols  # t - s
         allowed = ((distance >= 0) & (distance < width)).repeat(heads, 1)  # rows repeated for the G heads

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from zoo.call import AttentionCall
+from zoo.ops import limits
 from zoo.pattern import MaskMod, dense_mask
 
 
@@ -106,18 +107,16 @@ def sdpa_real_tokens_first(q, k, v, real: torch.Tensor, call: AttentionCall) -> 
     return q.new_zeros(q.shape).scatter(2, index, out)
 
 
-HEAD_GROUP_ELEMENTS = 2**21  # per tensor and head group in :func:`in_head_groups` (8 MB in fp32)
-
-
 def in_head_groups(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``fn(q, k, v)`` -> (B, H, Nq, Dv) run on groups of heads holding at most HEAD_GROUP_ELEMENTS per tensor.
+    """``fn(q, k, v)`` -> (B, H, Nq, Dv) run on groups of heads holding at most ``limits.HEAD_GROUP_ELEMENTS`` per
+    tensor.
 
     For kernels made of many element-wise passes (feature maps, normalization): on tensors that fit the cache
     those passes cost a fraction of what they cost streaming whole-sequence tensors through memory. ``split``
     (not slicing) keeps the backward to one concatenation per input.
     """
     per_head = q.shape[0] * max(q.shape[-2] * q.shape[-1], k.shape[-2] * max(k.shape[-1], v.shape[-1]))
-    step = max(1, HEAD_GROUP_ELEMENTS // per_head)
+    step = max(1, limits.HEAD_GROUP_ELEMENTS // per_head)
     if step >= q.shape[1]:
         return fn(q, k, v)
     groups = zip(q.split(step, dim=1), k.split(step, dim=1), v.split(step, dim=1), strict=True)

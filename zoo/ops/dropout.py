@@ -2,10 +2,10 @@
 
 torch's CPU flash kernel takes no dropout mask, so under dropout the chunked kernels call :func:`dropout_forward`
 and :func:`dropout_backward` (same shapes and conventions as :mod:`zoo.ops.flash`), one chunk of at most
-``CHUNK_ELEMENTS`` scores at a time. Dropout acts on the final normalised probabilities, so parts merged through
-their log-sum-exps drop the joint softmax exactly. Masks are never stored: each chunk's mask is drawn from a seed of
-the call (reproducible with ``torch.manual_seed``) and redrawn in the backward; ``p`` is rounded to a multiple of
-2^-16 and kept values are scaled by ``1 / (1 − p_rounded)``.
+``limits.DROPOUT_CHUNK_ELEMENTS`` scores at a time. Dropout acts on the final normalised probabilities, so parts
+merged through their log-sum-exps drop the joint softmax exactly. Masks are never stored: each chunk's mask is drawn
+from a seed of the call (reproducible with ``torch.manual_seed``) and redrawn in the backward; ``p`` is rounded to a
+multiple of 2^-16 and kept values are scaled by ``1 / (1 − p_rounded)``.
 
 Derivation, cost and comparison with FlashAttention: docs/notes/internals.md#dropout
 """
@@ -20,18 +20,13 @@ import numpy as np
 import torch
 
 from zoo.call import AttentionCall
+from zoo.ops import limits
 from zoo.ops.flash import flash_backward, flash_forward
 
-# Scores per chunk (4 MB in fp32): fewer, larger chunks measured faster than 1-2 MB ones (16K, 2 threads).
-CHUNK_ELEMENTS = 2**20
 # Groups per chunk are a multiple of this when at least that many fit: torch's CPU bmm splits a batch across its
 # threads, and 3 groups on 2 threads left one idle half the time (1.24x slower at 16K, measured). A constant, not
 # the thread count: the chunks (hence the masks) must not depend on the threads of the backward.
 GROUP_MULTIPLE = 4
-# Chunks of one group's rows over many keys (global rows over the whole sequence) hold this many times CHUNK_ELEMENTS
-# scores: each chunk streams all keys and values, and taller chunks (bigbird's global rows: 128 rows at 16K, not 64)
-# measured 3.5% faster.
-ROW_CHUNK_FACTOR = 2
 KEEP_BITS = 16
 LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
 
@@ -161,21 +156,21 @@ def _swap(q, k, v, mask):
 
 
 def _chunks(shape: tuple[int, ...], keys: int):
-    """(a, group slice, row slice) of chunks: groups batched while a group's (Q, K) scores fit CHUNK_ELEMENTS, else
-    rows of one group (ROW_CHUNK_FACTOR · CHUNK_ELEMENTS scores, or one row). A function of the shapes only (the
-    backward redraws the same masks)."""
+    """(a, group slice, row slice) of chunks: groups batched while a group's (Q, K) scores fit DROPOUT_CHUNK_ELEMENTS,
+    else rows of one group (DROPOUT_ROW_CHUNK_FACTOR · DROPOUT_CHUNK_ELEMENTS scores, or one row). A function of the
+    shapes only (the backward redraws the same masks)."""
     outer, groups, rows = shape[:3]
     per_group = rows * keys
     if per_group == 0:  # no query or no key: nothing to compute (the callers zero-fill)
         return
     for a in range(outer):
-        if per_group <= CHUNK_ELEMENTS:
-            step = CHUNK_ELEMENTS // per_group
+        if per_group <= limits.DROPOUT_CHUNK_ELEMENTS:
+            step = limits.DROPOUT_CHUNK_ELEMENTS // per_group
             step = step // GROUP_MULTIPLE * GROUP_MULTIPLE or step
             for start in range(0, groups, step):
                 yield a, slice(start, min(start + step, groups)), slice(0, rows)
         else:
-            step = max(1, ROW_CHUNK_FACTOR * CHUNK_ELEMENTS // keys)
+            step = max(1, limits.DROPOUT_ROW_CHUNK_FACTOR * limits.DROPOUT_CHUNK_ELEMENTS // keys)
             for group in range(groups):
                 for start in range(0, rows, step):
                     yield a, slice(group, group + 1), slice(start, min(start + step, rows))

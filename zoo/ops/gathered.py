@@ -24,27 +24,19 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from zoo.call import AttentionCall
+from zoo.ops import limits
 from zoo.ops.blocked import rows_attention
 from zoo.ops.dropout import NO_DROPOUT, Dropout, attention_backward, attention_forward
 from zoo.ops.flash import additive_mask, flash_available
-
-# Gathered key elements per chunk (4 MB in fp32): the chunk's working set stays in cache, and the buffers the
-# flash kernels allocate per chunk stay small enough to be reused from the heap rather than page-faulted afresh.
-GATHER_CHUNK_ELEMENTS = 2**20
-
-# Off the CPU flash path: gathered key elements per chunk (256 MB in fp32), and entries per SDPA call. One call over
-# the 98,304 single-query entries of moba and nsa (12 heads, 8K) failed in CUDA's SDPA kernels on an H200, where
-# BigBird's and the window's 6-12K block entries ran; 2^15 stays under the 65,535 of a CUDA grid axis.
-DEVICE_CHUNK_ELEMENTS = 2**26
-DEVICE_CHUNK_ENTRIES = 2**15
 
 Allowed = torch.Tensor | Callable[[int, int], torch.Tensor] | None
 
 
 def device_chunks(items: int, elements_per_item: int, entries_per_item: int = 1) -> list[slice]:
-    """Ranges of items (each ``entries_per_item`` SDPA entries) of at most DEVICE_CHUNK_ENTRIES entries and about
-    DEVICE_CHUNK_ELEMENTS gathered elements."""
-    step = min(DEVICE_CHUNK_ENTRIES // entries_per_item, DEVICE_CHUNK_ELEMENTS // max(1, elements_per_item))
+    """Ranges of items (each ``entries_per_item`` SDPA entries) of at most ``limits.DEVICE_CHUNK_ENTRIES`` entries and
+    about ``limits.DEVICE_CHUNK_ELEMENTS`` gathered elements."""
+    step = min(limits.DEVICE_CHUNK_ENTRIES // entries_per_item,
+               limits.DEVICE_CHUNK_ELEMENTS // max(1, elements_per_item))
     step = max(1, step)
     return [slice(start, min(start + step, items)) for start in range(0, items, step)]
 
@@ -133,9 +125,9 @@ def gathered_backward(grad_out, q, k_blocks, v_blocks, index, allowed: Allowed, 
 
 
 def _chunks(q: torch.Tensor, index: torch.Tensor, k_blocks: torch.Tensor):
-    """Entry ranges whose gathered keys, and whose (Q x K) mask, hold at most GATHER_CHUNK_ELEMENTS each."""
+    """Entry ranges whose gathered keys, and whose (Q x K) mask, hold at most ``limits.GATHER_CHUNK_ELEMENTS`` each."""
     keys = index.shape[1] * k_blocks.shape[1]
-    step = max(1, GATHER_CHUNK_ELEMENTS // (keys * max(k_blocks.shape[2], q.shape[1])))
+    step = max(1, limits.GATHER_CHUNK_ELEMENTS // (keys * max(k_blocks.shape[2], q.shape[1])))
     return ((start, min(start + step, index.shape[0])) for start in range(0, index.shape[0], step))
 
 

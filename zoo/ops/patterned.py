@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from zoo.call import AttentionCall
+from zoo.ops.decode_selected import selected_attention
 from zoo.ops.dense import pad_to_multiple
 from zoo.ops.gathered import gathered_attention
-from zoo.ops.selected import selected_attention
 from zoo.pattern import Pattern, with_causality_and_padding
 
 

@@ -1,4 +1,5 @@
-"""Which kernel runs an exact pattern variant's call: its own chunked kernel or FlexAttention (:mod:`zoo.ops.flex`).
+"""Which kernel runs an exact pattern variant's call: its own chunked kernel or FlexAttention
+(:mod:`zoo.ops.backends.flex`).
 
 Set with :func:`attention_backend` (a context manager):
 
@@ -24,7 +25,7 @@ from collections.abc import Iterator
 import torch
 
 from zoo.call import AttentionCall
-from zoo.ops.flex import DTYPES
+from zoo.ops.backends.flex import DTYPES
 from zoo.pattern import Pattern
 from zoo.variant import Variant
 

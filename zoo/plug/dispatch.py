@@ -3,7 +3,7 @@
 :func:`zoo_attention_forward` turns transformers' call into an :class:`~zoo.variant.AttentionCall` once -- causality,
 padding, cross-attention, where each row starts, the decoding cache layer, positions and whether it decodes -- and
 :func:`run_variant` checks it against what the variant supports and runs its kernel (or FlexAttention,
-:mod:`zoo.ops.flex`). Tests and benchmarks call :func:`run_variant` directly.
+:mod:`zoo.ops.backends.flex`). Tests and benchmarks call :func:`run_variant` directly.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import torch
 
 from zoo.cache import LAYER_KWARG
 from zoo.call import AttentionCall
-from zoo.ops import expand_kv, flex
+from zoo.ops import expand_kv
+from zoo.ops.backends import flex
 from zoo.pattern import row_starts
 from zoo.plug import _patches
 from zoo.plug.backend import after_flex_failure, compiled, flex_pattern
@@ -141,8 +142,8 @@ def is_cross_attention(module: torch.nn.Module) -> bool:
 def run_variant(
     variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall
 ) -> torch.Tensor:
-    """Check the call against what the variant supports, run its kernel (or FlexAttention, :mod:`zoo.ops.flex`),
-    zero padded query rows. ``k``/``v`` may have fewer (grouped) heads than ``q``.
+    """Check the call against what the variant supports, run its kernel (or FlexAttention,
+    :mod:`zoo.ops.backends.flex`), zero padded query rows. ``k``/``v`` may have fewer (grouped) heads than ``q``.
 
     Under cross-attention ``call.padding_mask`` covers the keys (the encoder's tokens), not the queries: no row is
     zeroed, as transformers' own implementations do."""

@@ -13,24 +13,22 @@ head with one ``index_select`` each (rows of the (B·H·n, D) views) and runs th
 O(n·k) memory for the selection (shared by the heads) plus one chunk of gathered keys. The cost is the gather's memory
 traffic (H·D values of k and of v per selected key and query), not its arithmetic.
 
-Training the indexer (:func:`indexer_kl`): KL(p_t ‖ softmax_s I(t, s)) over each query's selected keys, p_t the main
-attention's probabilities summed over heads and L1-normalised (a detached target), as the paper's sparse stage; the
-kernel computes p_t from the keys it has just gathered (``with_target``), so the loss gathers no key again.
+Training the indexer (:func:`zoo.ops.dsa.indexer.indexer_kl`): KL(p_t ‖ softmax_s I(t, s)) over each query's
+selected keys, p_t the main attention's probabilities summed over heads and L1-normalised (a detached target), as the
+paper's sparse stage; the kernel computes p_t from the keys it has just gathered (``with_target``), so the loss gathers
+no key again.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from zoo.call import AttentionCall
+from zoo.ops import limits
+from zoo.ops.choose import select_by_query_chunks
 from zoo.ops.dropout import Dropout, attention_backward, attention_forward
 from zoo.ops.flash import additive_mask, flash_available
 from zoo.ops.gathered import device_chunks, recomputed
-from zoo.ops.selection import SCORE_CHUNK_ELEMENTS, select_by_query_chunks
-
-# Gathered key elements per attention chunk (4 MB in fp32).
-CHUNK_ELEMENTS = 2**20
 
 
 def indexer_scores(index_q: torch.Tensor, index_w: torch.Tensor, index_k: torch.Tensor) -> torch.Tensor:
@@ -78,19 +76,13 @@ def select_tokens(index_q: torch.Tensor, index_w: torch.Tensor, index_k: torch.T
     return select_by_query_chunks(select, count, batch * heads * n, 1)
 
 
-def selected_mask(index: torch.Tensor, chosen: torch.Tensor, n: int) -> torch.Tensor:
-    """(B, Q, n) bool from a selection (B, Q, k'): O(Q·n), for references and tests."""
-    mask = torch.zeros(*index.shape[:-1], n, dtype=torch.long, device=index.device)
-    return mask.scatter_add_(-1, index, chosen.long()) > 0
-
-
 def token_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, chosen: torch.Tensor,
                     call: AttentionCall, with_target: bool = False):
     """(B, H, Q, Dv): each query over its selected keys (index/chosen (B, Q, k'), shared by the heads). CPU: chunked
     flash with a recomputing backward; elsewhere chunks of queries (:func:`zoo.ops.gathered.device_chunks`), each
     one gather and one SDPA call, recomputed in the backward.
-    ``with_target``: also returns the indexer's KL target (B, Q, k') (:func:`indexer_kl`) from the gathered keys on
-    CPU, None elsewhere."""
+    ``with_target``: also returns the indexer's KL target (B, Q, k') (:func:`zoo.ops.dsa.indexer.indexer_kl`) from
+    the gathered keys on CPU, None elsewhere."""
     if flash_available(q):
         out, target = _TokenGathered.apply(q, k, v, index, chosen, call.scaling, Dropout.of(call), with_target)
         return (out, target) if with_target else out
@@ -102,14 +94,14 @@ def token_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: to
 
 def _token_sdpa(q, k, v, index, chosen, call: AttentionCall) -> torch.Tensor:
     """Queries (B, H, C, D) over their selected keys in one SDPA call (off the CPU flash path)."""
-    keys, values = (_gather(x, index) for x in (k, v))
+    keys, values = (gather_rows(x, index) for x in (k, v))
     mask = (chosen | ~chosen.any(-1, keepdim=True))[:, None, :, None, :]  # a row without keys: zeroed below
     out = torch.nn.functional.scaled_dot_product_attention(
         q[..., None, :], keys, values, attn_mask=mask, dropout_p=call.effective_dropout, scale=call.scaling)
     return out[..., 0, :].masked_fill(~chosen.any(-1)[:, None, :, None], 0.0)
 
 
-def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x (B, H, n, D) at index (B, C, k') for every head: (B, H, C, k', D)."""
     batch, heads, n, dim = x.shape
     rows = x.reshape(-1, dim).index_select(0, _flat(index, heads, n).flatten())
@@ -122,10 +114,10 @@ def _flat(index: torch.Tensor, heads: int, n: int) -> torch.Tensor:
     return index[:, None] + start
 
 
-def _query_chunks(q: torch.Tensor, count: int):
-    """Query ranges whose gathered keys hold about CHUNK_ELEMENTS elements."""
+def query_chunks(q: torch.Tensor, count: int):
+    """Query ranges whose gathered keys hold about ``limits.DSA_GATHER_CHUNK_ELEMENTS`` elements."""
     batch, heads, length, dim = q.shape
-    step = max(1, CHUNK_ELEMENTS // max(1, batch * heads * count * dim))
+    step = max(1, limits.DSA_GATHER_CHUNK_ELEMENTS // max(1, batch * heads * count * dim))
     return [slice(start, min(start + step, length)) for start in range(0, length, step)]
 
 
@@ -139,7 +131,7 @@ class _TokenGathered(torch.autograd.Function):
         batch, heads, length, dim = q.shape
         k, v = k.contiguous(), v.contiguous()
         outs, lses, targets = [], [], []
-        for number, rows in enumerate(_query_chunks(q, index.shape[-1])):
+        for number, rows in enumerate(query_chunks(q, index.shape[-1])):
             keys, values, mask, queries = _chunk_inputs(q, k, v, index, chosen, rows)
             out, lse = attention_forward(queries, keys, values, mask, scale, dropout.child(number))
             outs.append(out.view(batch, heads, -1, v.shape[-1]))
@@ -161,7 +153,7 @@ class _TokenGathered(torch.autograd.Function):
         grad = grad.contiguous()
         grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         flat_k, flat_v = grad_k.view(-1, k.shape[-1]), grad_v.view(-1, v.shape[-1])
-        for number, rows in enumerate(_query_chunks(q, index.shape[-1])):
+        for number, rows in enumerate(query_chunks(q, index.shape[-1])):
             keys, values, mask, queries = _chunk_inputs(q, k, v, index, chosen, rows)
             flat = (x[:, :, rows].reshape(-1, 1, 1, x.shape[-1]) for x in (grad, out))
             gq, gk, gv = attention_backward(next(flat), queries, keys, values, next(flat),
@@ -178,7 +170,7 @@ def _chunk_inputs(q, k, v, index, chosen, rows: slice):
     """Gathered keys/values (B·H·C, 1, k', D), additive mask (B·H·C, 1, 1, k') or None (every slot chosen) and
     queries (B·H·C, 1, 1, D)."""
     batch, heads = q.shape[:2]
-    keys, values = (_gather(x, index[:, rows]).flatten(0, 2)[:, None] for x in (k, v))
+    keys, values = (gather_rows(x, index[:, rows]).flatten(0, 2)[:, None] for x in (k, v))
     ok = chosen[:, rows]
     mask = None
     if not bool(ok.all()):
@@ -192,69 +184,6 @@ def _target(queries, keys, ok, scale: float, batch: int, heads: int) -> torch.Te
     scores = torch.matmul(queries[:, 0].float(), keys[:, 0].float().transpose(-1, -2)).view(batch, heads, *ok.shape[1:])
     probs = torch.softmax((scores * scale).masked_fill(~ok[:, None], float("-inf")), -1).nan_to_num(0.0).sum(1)
     return probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
-
-
-def indexer_kl(q: torch.Tensor, k: torch.Tensor, index_q: torch.Tensor, index_w: torch.Tensor,
-               index_k: torch.Tensor, index: torch.Tensor, chosen: torch.Tensor, scale: float,
-               query_real: torch.Tensor | None = None, target: torch.Tensor | None = None) -> torch.Tensor:
-    """The indexer's loss: mean over real queries of KL(p_t ‖ softmax over the selected keys of I(t, ·)), p_t the main
-    attention's probabilities over the same keys summed over heads and L1-normalised (no gradient). Gradients reach
-    ``index_q``, ``index_w`` and ``index_k`` only. q (B, H, Q, D); k (B, H, n, D); selection (B, Q, k'); ``target``
-    (B, Q, k') those probabilities if already known (:func:`token_attention`'s ``with_target``)."""
-    total = q.new_zeros((), dtype=torch.float32)
-    k = k.contiguous() if target is None else k
-    for rows in _query_chunks(q, index.shape[-1]):
-        picked, ok = index[:, rows], chosen[:, rows]
-        if target is not None:
-            part = target[:, rows]
-        else:
-            with torch.no_grad():
-                scores = torch.einsum("bhqd,bhqkd->bhqk", q[:, :, rows].float(), _gather(k, picked).float()) * scale
-                probs = torch.softmax(scores.masked_fill(~ok[:, None], float("-inf")), -1).nan_to_num(0.0).sum(1)
-                part = probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
-        keys = index_k.float()[torch.arange(index_k.shape[0], device=q.device)[:, None, None], picked]
-        logits = torch.einsum("bqhd,bqkd->bqhk", index_q[:, rows].float(), keys).relu()
-        scores = torch.einsum("bqhk,bqh->bqk", logits, index_w[:, rows].float())
-        log_probs = torch.log_softmax(scores.masked_fill(~ok, float("-inf")), -1)
-        kl = (part * (part.clamp_min(1e-30).log() - log_probs)).masked_fill(~ok, 0.0).sum(-1)  # (B, C)
-        if query_real is not None:
-            kl = kl * query_real[:, rows]
-        total = total + kl.sum()
-    real = query_real.sum() if query_real is not None else q.shape[0] * q.shape[2]
-    return total / max(float(real), 1.0)
-
-
-def dense_indexer_kl(q: torch.Tensor, k: torch.Tensor, index_q: torch.Tensor, index_w: torch.Tensor,
-                     index_k: torch.Tensor, scale: float, key_real: torch.Tensor | None = None) -> torch.Tensor:
-    """The dense warm-up's loss: mean over real queries of KL(p_t ‖ softmax over every eligible key of I(t, ·)), p_t
-    the dense causal attention's probabilities summed over heads and L1-normalised (no gradient). Chunk by chunk of
-    queries, each chunk recomputed in the backward: nothing of size queries x keys is kept. q (B, H, Q, D) (the last
-    Q of the keys), k (B, H, n, D), indexer inputs as :func:`select_tokens`, ``key_real`` (B|1, n) bool or None."""
-    batch, heads, count, _ = q.shape
-    n = k.shape[-2]
-    positions = torch.arange(n - count, n, device=q.device)
-    real = key_real if key_real is not None else torch.ones(1, n, dtype=torch.bool, device=q.device)
-    step = max(1, SCORE_CHUNK_ELEMENTS // max(1, batch * max(heads, index_q.shape[2]) * n))
-    total = q.new_zeros((), dtype=torch.float32)
-    for start in range(0, count, step):
-        rows = slice(start, min(start + step, count))
-        total = total + checkpoint(_dense_chunk_kl, q[:, :, rows], k, index_q[:, rows], index_w[:, rows], index_k,
-                                   positions[rows], real, scale, use_reentrant=False)
-    queries = real[:, n - count :].expand(batch, count).sum()
-    return total / queries.clamp_min(1).float()
-
-
-def _dense_chunk_kl(q, k, index_q, index_w, index_k, positions, real, scale: float) -> torch.Tensor:
-    """Σ over the chunk's real queries of KL(dense attention ‖ indexer) over their eligible keys."""
-    n = k.shape[-2]
-    eligible = (torch.arange(n, device=q.device) <= positions[:, None])[None] & real[:, None, :]  # (B|1, C, n)
-    with torch.no_grad():
-        scores = torch.einsum("bhcd,bhnd->bhcn", q.float(), k.float()) * scale
-        probs = torch.softmax(scores.masked_fill(~eligible[:, None], float("-inf")), -1).nan_to_num(0.0).sum(1)
-        target = probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
-    log_probs = torch.log_softmax(indexer_scores(index_q, index_w, index_k).masked_fill(~eligible, float("-inf")), -1)
-    kl = (target * (target.clamp_min(1e-30).log() - log_probs)).masked_fill(~eligible, 0.0).sum(-1)
-    return (kl * real[:, positions]).sum()
 
 
 def dsa_flops(n: int, heads: int, head_dim: int, index_heads: int, index_dim: int, top_k: int) -> float:

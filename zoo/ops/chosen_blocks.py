@@ -1,47 +1,16 @@
-"""Hard content-based selections (MoBA's and NSA's blocks, DSA's tokens) made chunk by chunk of queries: the scores
-of one chunk exist at a time (never queries x keys), and no gradient flows through the choice. Then attention over
-the chosen blocks: one gathered entry per query (:func:`gathered_block_attention`, recomputing backward), its dense
-mask for references (:func:`selected_blocks_mask`), and the decoding step over a cache of every key
-(:func:`decode_block_attention`, :func:`attention_at_positions`)."""
+"""Attention over chosen key blocks (MoBA's and NSA's selections, :mod:`zoo.ops.choose`): one gathered entry per query
+(:func:`gathered_block_attention`, recomputing backward), its dense mask for references (:func:`selected_blocks_mask`),
+and the decoding step over a cache of every key (:func:`decode_block_attention`, :func:`attention_at_positions`)."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
 from zoo.call import AttentionCall
+from zoo.ops import limits
 from zoo.ops.blocked import rows_attention
 from zoo.ops.dense import pad_to_multiple
-from zoo.ops.gathered import GATHER_CHUNK_ELEMENTS, gathered_attention
-
-# Scores per selection chunk (4 MB in fp32).
-SCORE_CHUNK_ELEMENTS = 2**20
-
-
-def select_by_query_chunks(select: Callable[[slice], tuple[torch.Tensor, torch.Tensor]], count: int,
-                           scores_per_query: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``select(rows) -> (index, chosen)`` for chunks of the ``count`` queries holding about SCORE_CHUNK_ELEMENTS
-    scores (``scores_per_query`` each), under no_grad, concatenated along the query dimension ``dim``."""
-    step = max(1, SCORE_CHUNK_ELEMENTS // max(1, scores_per_query))
-    indices, chosen = [], []
-    with torch.no_grad():
-        for start in range(0, count, step):
-            index, ok = select(slice(start, min(start + step, count)))
-            indices.append(index)
-            chosen.append(ok)
-    return torch.cat(indices, dim), torch.cat(chosen, dim)
-
-
-def top_blocks(scores: torch.Tensor, eligible: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``top_k`` eligible blocks of the highest score, ties to the earlier block.
-
-    scores (..., nb) fp32; eligible broadcastable to it. Returns (blocks (..., k') long, chosen (..., k') bool) with
-    k' = min(top_k, nb); a slot is not chosen when fewer blocks are eligible."""
-    count = min(top_k, scores.shape[-1])
-    scores = scores.masked_fill(~eligible, float("-inf"))
-    ranked, order = scores.sort(dim=-1, descending=True, stable=True)
-    return order[..., :count], ranked[..., :count] > float("-inf")
+from zoo.ops.gathered import gathered_attention
 
 
 def gathered_block_attention(q, k, v, call: AttentionCall, block: int, blocks, chosen, positions) -> torch.Tensor:
@@ -99,7 +68,8 @@ def decode_block_attention(q, k, v, call: AttentionCall, block: int, blocks, cho
 
 def attention_at_positions(q, k, v, key_pos: torch.Tensor, ok: torch.Tensor, call: AttentionCall) -> torch.Tensor:
     """Each query (B, H, Q, D) over the keys at ``key_pos`` (B, H, Q, K) where ``ok`` (and the padding mask) allow,
-    one softmax: each chunk of queries gathers its keys (about GATHER_CHUNK_ELEMENTS per chunk). For few queries
+    one softmax: each chunk of queries gathers its keys (about ``limits.GATHER_CHUNK_ELEMENTS`` per
+    chunk). For few queries
     (decoding): no recomputing backward. ``k``/``v`` may hold grouped-query heads (H_kv dividing H): query head i reads
     key/value head i // (H / H_kv), gathered directly instead of from a copy expanded to every query head."""
     batch, heads, count, dim = q.shape
@@ -111,7 +81,7 @@ def attention_at_positions(q, k, v, key_pos: torch.Tensor, ok: torch.Tensor, cal
     b = torch.arange(batch, device=q.device)[:, None, None]
     h = torch.div(torch.arange(heads, device=q.device), heads // k.shape[1], rounding_mode="floor")[None, :, None]
     outs = []
-    chunk = max(1, GATHER_CHUNK_ELEMENTS // (batch * heads * key_pos.shape[-1] * dim))
+    chunk = max(1, limits.GATHER_CHUNK_ELEMENTS // (batch * heads * key_pos.shape[-1] * dim))
     for start in range(0, count, chunk):
         rows = slice(start, min(start + chunk, count))
         index = key_pos[:, :, rows].flatten(-2)  # (B, H, C·K)

@@ -16,7 +16,7 @@ Attention, O(n·(top_k + 1)·block·d) time:
   the backward recomputes each part from the merged output (:func:`zoo.ops.block_grouped.block_grouped_attention`,
   shared with NSA). Under attention dropout the parts run :mod:`zoo.ops.dropout`'s kernels.
 * Otherwise (padding inside the span, fewer queries than keys, CUDA, fp64): one gathered entry per query over its
-  blocks (:func:`zoo.ops.selection.gathered_block_attention`).
+  blocks (:func:`zoo.ops.chosen_blocks.gathered_block_attention`).
 """
 
 from __future__ import annotations
@@ -24,17 +24,11 @@ from __future__ import annotations
 import torch
 
 from zoo.call import AttentionCall
-from zoo.ops.block_grouped import block_grouped_attention
+from zoo.ops.block_grouped import block_grouped_attention, by_key_block_applies
+from zoo.ops.choose import select_by_query_chunks, top_blocks
+from zoo.ops.chosen_blocks import gathered_block_attention
 from zoo.ops.dense import pad_to_multiple
 from zoo.ops.dropout import Dropout
-from zoo.ops.flash import flash_available
-from zoo.ops.selection import (
-    decode_block_attention,
-    gathered_block_attention,
-    select_by_query_chunks,
-    selected_blocks_mask,
-    top_blocks,
-)
 
 
 def masked_block_mean(blocks: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,47 +89,15 @@ def moba_selection(q: torch.Tensor, k: torch.Tensor, call: AttentionCall, block:
 def moba_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, block: int, top_k: int
 ) -> torch.Tensor:
-    """(B, H, Q, Dv): causal MoBA over one row span (see :func:`moba_selection`)."""
+    """(B, H, Q, Dv): causal MoBA over one row span (see :func:`moba_selection`). The kernel choice: by key block on
+    the CPU flash kernels where they take the call (:func:`zoo.ops.block_grouped.by_key_block_applies`), else one
+    gathered entry per query."""
     blocks, chosen, positions = moba_selection(q, k, call, block, top_k)
-    if flash_available(q) and call.padding_mask is None and q.shape[-2] == k.shape[-2]:
+    if by_key_block_applies(q, k, call):
         return block_grouped_attention(
             q, k, v, blocks[..., :-1], chosen[..., :-1], block, call.scaling, Dropout.of(call)
         )
     return gathered_block_attention(q, k, v, call, block, blocks, chosen, positions)
-
-
-def moba_allowed(q: torch.Tensor, k: torch.Tensor, call: AttentionCall, block: int, top_k: int) -> torch.Tensor:
-    """The dense (B, H, Q, n) bool mask of the keys :func:`moba_attention` reads in one row span: O(n²), tests only."""
-    blocks, chosen, positions = moba_selection(q, k, call, block, top_k)
-    return selected_blocks_mask(blocks, chosen, block, k.shape[-2], positions, call.padding_mask)
-
-
-def decode_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    call: AttentionCall,
-    block: int,
-    top_k: int,
-    means: torch.Tensor,
-    filled: torch.Tensor,
-) -> torch.Tensor:
-    """New queries over a cache of every key: (B, H, Q, Dv). Blocks count from each row's first real token
-    (``call.row_start``); ``means`` (B, H, J, D) fp32 and ``filled`` (B, J) bool summarize each row's complete
-    blocks (the decoding cache keeps them), so a step costs O(J·d + (k + 1)·block·d), not O(n·d).
-
-    Each chunk of queries gathers its keys ((k + 1)·block per query, about GATHER_CHUNK_ELEMENTS per chunk) and runs
-    one softmax over them."""
-    batch, heads, count, dim = q.shape
-    n = k.shape[-2]
-    starts = call.row_start if call.row_start is not None else torch.zeros(batch, dtype=torch.long, device=q.device)
-    starts = starts.to(q.device)
-    positions = call.query_positions(count, n, q.device)
-    own = torch.div(positions[None] - starts[:, None], block, rounding_mode="floor").clamp(min=0)  # (B, Q)
-    blocks, chosen = select_blocks(q, means, filled[:, None], own, top_k)
-    blocks = torch.cat([blocks, own[:, None, :, None].expand(batch, heads, count, 1)], -1)
-    chosen = torch.cat([chosen, torch.ones_like(blocks[..., :1], dtype=torch.bool)], -1)
-    return decode_block_attention(q, k, v, call, block, blocks, chosen, starts, positions)
 
 
 def moba_flops(n: int, heads: int, head_dim: int, block: int, top_k: int) -> float:

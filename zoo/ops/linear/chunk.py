@@ -3,7 +3,8 @@
 Shared by ``performer`` (random softmax features) and ``linear`` (elu + 1). Bidirectional attention costs
 O(n·m·d); causal attention uses **chunked prefix sums**: inside a chunk a masked chunk x chunk product, across
 chunks a running ``m x d`` state summed chunk by chunk, so nothing of size n·m·d (a naive cumulative sum) or
-n x n is ever built. Accumulation is fp32 (fp64 for fp64 inputs) even for bf16/fp16 inputs or under autocast.
+n x n is ever built. Accumulation is fp32 (fp64 for fp64 inputs) even for bf16/fp16 inputs or under autocast. The
+definition it implements: :mod:`zoo.ops.linear.naive`.
 """
 
 from __future__ import annotations
@@ -58,19 +59,6 @@ def linear_attention(
         numerator, denominator = summed.split([v.shape[-1], 1], dim=-1)
         out = numerator / denominator.clamp_min(torch.finfo(compute).tiny)
     return out.to(v.dtype)
-
-
-def linear_attention_reference(
-    q_features: torch.Tensor, k_features: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None
-) -> torch.Tensor:
-    """The definition :func:`linear_attention` implements, in O(n²) (tests and the contract suite only).
-
-    ``allowed`` is a bool mask broadcastable to (B, H, Nq, N), e.g. from :func:`zoo.ops.allowed_mask`.
-    """
-    weights = torch.matmul(q_features, k_features.transpose(-1, -2))
-    if allowed is not None:
-        weights = weights.masked_fill(~allowed, 0.0)
-    return torch.matmul(weights, v) / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
 
 
 def default_chunk_size(num_features: int, head_dim: int) -> int:

@@ -4,7 +4,8 @@ is the plug's policy (:mod:`zoo.plug.backend`); this module only runs them.
 
 The block mask is never built from an n x n tensor, nor from n² predicate evaluations where the pattern has hints:
 the predicate is evaluated only on the candidate tiles its hints name (``key_blocks``, or ``reach`` with ``sinks``
-and ``global_queries``: O(n · keys per query)), in chunks of at most :data:`EVAL_ELEMENTS` (query, key) pairs. A
+and ``global_queries``: O(n · keys per query)), in chunks of at most :data:`zoo.ops.limits.FLEX_EVAL_CHUNK_ELEMENTS`
+(query, key) pairs. A
 pattern of whole blocks (``Pattern.whole_blocks``: BigBird's layout) is evaluated once per block pair and looked up
 per block inside the kernel (so it need not be traceable); any other pattern's predicate runs inside the kernel on
 the partial tiles (it must be traceable by torch.compile: index arithmetic and indexing of captured tensors).
@@ -34,10 +35,10 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers.masking_utils import and_masks, causal_mask_function
 
 from zoo.call import AttentionCall
+from zoo.ops import limits
 from zoo.pattern import MaskMod, Pattern, TokenSet
 
 FLEX_BLOCK = 128  # FlexAttention's tile (its default)
-EVAL_ELEMENTS = 1 << 24  # (query, key) pairs per chunk while evaluating a pattern into block counts
 MASK_CACHE_SIZE = 32
 FINGERPRINT_ELEMENTS = 1 << 20  # captured tensors up to this size count by value, larger ones by identity
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -217,8 +218,9 @@ def _tiles_holding(members: torch.Tensor, n: int) -> torch.Tensor:
 def pattern_tile_counts(pattern: Pattern, batch: int, heads: int, n: int, device) -> torch.Tensor:
     """(B|1, H|1, nt, nt) int32 allowed pairs per FLEX_BLOCK tile (B or H is 1 when the pattern does not depend on
     it), evaluated on the candidate tiles only: O(n · candidate keys per query), never an n x n tensor. Query tiles
-    go in chunks of at most :data:`EVAL_ELEMENTS` pairs, sorted by their number of candidate tiles and grouped with
-    rows at most twice as wide (a global row of tiles does not widen the chunks of band rows)."""
+    go in chunks of at most :data:`zoo.ops.limits.FLEX_EVAL_CHUNK_ELEMENTS` pairs, sorted by their number of
+    candidate tiles and grouped with rows at most twice as wide (a global row of tiles does not widen the chunks of band
+    rows)."""
     candidates = candidate_tiles(pattern, batch, n, device)
     tiles = candidates.shape[0]
     probe = _evaluate(pattern, batch, heads, torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
@@ -231,8 +233,8 @@ def pattern_tile_counts(pattern: Pattern, batch: int, heads: int, n: int, device
     while start < tiles:
         narrowest = max(1, int(widths[order[start]]))
         similar = int(torch.searchsorted(widths[order], 2 * narrowest, right=True)) - start  # padding at most 2x
-        size = min(similar, max(1, EVAL_ELEMENTS // (narrowest * cost)))
-        while size > 1 and int(widths[order[start + size - 1]]) * size * cost > EVAL_ELEMENTS:
+        size = min(similar, max(1, limits.FLEX_EVAL_CHUNK_ELEMENTS // (narrowest * cost)))
+        while size > 1 and int(widths[order[start + size - 1]]) * size * cost > limits.FLEX_EVAL_CHUNK_ELEMENTS:
             size //= 2
         query_tiles = order[start : start + size]
         width = int(widths[query_tiles].max())

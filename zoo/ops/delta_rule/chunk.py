@@ -31,48 +31,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from zoo.ops.fla_backend import fla_delta_rule, fla_kernel
+from zoo.ops.backends.fla import fla_delta_rule, fla_kernel
+from zoo.ops.state import state_dtype
 
 DEFAULT_CHUNK = 64
-
-
-def state_dtype(x: torch.Tensor) -> torch.dtype:
-    """fp64 for fp64 inputs, else fp32: the dtype states are accumulated in."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-class _L2Normalize(torch.autograd.Function):
-    """x / max(‖x‖, eps) over the last dim (``F.normalize``'s forward, bit for bit) with a fused backward:
-    ∂x = (g − z ⟨z, g⟩) / max(‖x‖, eps), the projection term dropped where the norm is clamped at eps."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
-        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-        denominator = norm.clamp_min(eps)
-        z = x / denominator
-        ctx.save_for_backward(z, denominator, norm > eps)
-        return z
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: torch.Tensor):
-        z, denominator, unclamped = ctx.saved_tensors
-        along = torch.linalg.vecdot(z, grad, dim=-1).unsqueeze(-1) * unclamped
-        return torch.addcmul(grad, z, along, value=-1) / denominator, None
-
-
-def l2_normalized(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``F.normalize(x, dim=-1, eps=eps)`` with a backward of four passes over x instead of autograd's nine."""
-    return _L2Normalize.apply(x, eps)
-
-
-def carried(kernel, state: dict | None, key: str, *args, **kwargs) -> torch.Tensor:
-    """``kernel(*args, initial_state=state[key])``'s output, ``state[key]`` replaced by its final state; without a
-    ``state`` (a recurrent cache's dict) it starts from zeros and keeps nothing."""
-    out, final = kernel(*args, initial_state=None if state is None else state.get(key), **kwargs)
-    if state is not None:
-        state[key] = final
-    return out
 
 
 def _diagonal_blocks(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -191,7 +153,7 @@ def delta_rule(
     """Chunkwise (gated) delta rule. q, k (B, H, n, d_k); v (B, H, n, d_v); beta (B, H, n); log_decay (B, H, n)
     (log α ≤ 0) or None; ``initial_state`` (B, H, d_k, d_v) or None (zeros). Returns (out (B, H, n, d_v) in v's
     dtype, final state (B, H, d_k, d_v) in the compute dtype). bf16/fp16 CUDA calls run on fla's kernels when it is
-    installed (:mod:`zoo.ops.fla_backend`; the same recurrence, an fp32 final state)."""
+    installed (:mod:`zoo.ops.backends.fla`; the same recurrence, an fp32 final state)."""
     if (kernel := fla_kernel("delta_rule" if log_decay is None else "gated_delta_rule", q, k, v)) is not None:
         return fla_delta_rule(kernel, q, k, v, beta, log_decay, scale, initial_state)
     dtype, out_dtype = state_dtype(v), v.dtype
@@ -239,35 +201,6 @@ def delta_rule(
         out = torch.baddbmm(torch.bmm(scores, delta), queries, entering, beta=scale, alpha=scale)
         out = out.view(batch, heads, chunks * chunk, d_v)[:, :, :n]
     return out.to(out_dtype), state.view(batch, heads, d_k, d_v)
-
-
-def delta_rule_recurrence(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    beta: torch.Tensor,
-    log_decay: torch.Tensor | None = None,
-    scale: float = 1.0,
-    initial_state: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The definition, one token at a time (the variants' ``reference`` and the tests): same arguments and results
-    as :func:`delta_rule`. O(n·d_k·d_v) time, but a Python loop over tokens."""
-    dtype, out_dtype = state_dtype(v), v.dtype
-    with torch.autocast(device_type=v.device.type, enabled=False):
-        q, k, v, beta = (x.to(dtype) for x in (q, k, v, beta))
-        batch, heads, n, d_k = k.shape
-        state = (initial_state.to(dtype) if initial_state is not None
-                 else v.new_zeros(batch, heads, d_k, v.shape[-1]))
-        outs = []
-        for t in range(n):
-            if log_decay is not None:
-                state = state * log_decay[:, :, t, None, None].to(dtype).exp()
-            k_t = k[:, :, t]
-            error = v[:, :, t] - torch.einsum("bhk,bhkv->bhv", k_t, state)  # v_t − Sᵀ k_t
-            state = state + beta[:, :, t, None, None] * k_t[..., :, None] * error[..., None, :]
-            outs.append(scale * torch.einsum("bhk,bhkv->bhv", q[:, :, t], state))
-        out = torch.stack(outs, dim=2) if outs else v.new_zeros(batch, heads, 0, v.shape[-1])
-    return out.to(out_dtype), state
 
 
 def delta_rule_flops(n: int, d_k: int, d_v: int, chunk_size: int = DEFAULT_CHUNK) -> float:

@@ -22,7 +22,7 @@ the flash kernels of :mod:`zoo.ops.block_grouped`, a KV group's query heads in t
 by query chunks (:class:`zoo.ops.block_grouped.ChunkedFlash`), the selected blocks by key block (the queries that
 chose a block in one call, :func:`zoo.ops.block_grouped.block_grouped_attention`, shared with MoBA), the window as a
 run of keys per query block (:func:`zoo.ops.block_grouped.band_attention`). Otherwise: one gathered entry per query
-(:func:`zoo.ops.selection.gathered_block_attention`) and the band kernel (:func:`zoo.ops.band_part`). The selection
+(:func:`zoo.ops.chosen_blocks.gathered_block_attention`) and the band kernel (:func:`zoo.ops.band_part`). The selection
 is a hard choice without gradient; gradients reach q, k, v (and the compression map) through the three softmaxes.
 """
 
@@ -36,25 +36,17 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from zoo.call import AttentionCall
-from zoo.ops.block_grouped import ChunkedFlash, band_attention, block_grouped_attention
+from zoo.ops import limits
+from zoo.ops.backends.fla import fla_nsa_kernel, fla_nsa_selected
+from zoo.ops.block_grouped import ChunkedFlash, band_attention, block_grouped_attention, by_key_block_applies
+from zoo.ops.choose import select_by_query_chunks, top_blocks
+from zoo.ops.chosen_blocks import gathered_block_attention
 from zoo.ops.dense import pad_to_multiple, safe_softmax, softmax_attention
 from zoo.ops.dropout import Dropout
-from zoo.ops.fla_backend import fla_nsa_kernel, fla_nsa_selected
 from zoo.ops.flash import additive_mask, flash_available
-from zoo.ops.selection import (
-    SCORE_CHUNK_ELEMENTS,
-    attention_at_positions,
-    decode_block_attention,
-    gathered_block_attention,
-    select_by_query_chunks,
-    selected_blocks_mask,
-    top_blocks,
-)
 from zoo.ops.union import band_part, union_attention
 
 Compress = Callable[[torch.Tensor], torch.Tensor]  # (..., l, D) -> (..., D)
-QUERY_CHUNK = 256  # queries per flash call of the compressed branch: each reads the blocks up to its last visible one
-WINDOW_BLOCK = 128  # query blocks of the window on CPU: each reads a run of about w + 128 keys
 LOCAL_BLOCKS = 2  # the paper's "2 local blocks": the query's own selection block and the one before it
 
 
@@ -151,7 +143,7 @@ def visible_width(allowed: torch.Tensor) -> int:
     return int(seen[-1]) + 1 if len(seen) else 0
 
 
-def compressed_attention(
+def compressed_branch(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible, call: AttentionCall
 ) -> torch.Tensor:
     """Softmax attention of q (B, H, Q, D) over compressed keys/values (B, H, J, D), ``visible(rows)`` deciding,
@@ -161,12 +153,12 @@ def compressed_attention(
     if keys.shape[-2] == 0:
         return q.new_zeros(batch, heads, queries, values.shape[-1])
     if flash_available(q):
-        step = max(1, min(QUERY_CHUNK, SCORE_CHUNK_ELEMENTS // keys.shape[-2]))
+        step = max(1, min(limits.NSA_COMPRESSED_QUERY_CHUNK, limits.SCORE_CHUNK_ELEMENTS // keys.shape[-2]))
         chunks = [slice(start, min(start + step, queries)) for start in range(0, queries, step)]
         return ChunkedFlash.apply(
             _VisiblePrefix(chunks, visible, q.dtype), call.scaling, Dropout.of(call), q, keys, values
         )
-    step = max(1, SCORE_CHUNK_ELEMENTS // (batch * heads * keys.shape[-2]))
+    step = max(1, limits.SCORE_CHUNK_ELEMENTS // (batch * heads * keys.shape[-2]))
     grads = torch.is_grad_enabled() and any(x.requires_grad for x in (q, keys, values))
     outs = []
     for start in range(0, queries, step):
@@ -177,7 +169,7 @@ def compressed_attention(
 
 
 class _VisiblePrefix:
-    """:func:`compressed_attention`'s chunks (a :class:`zoo.ops.block_grouped.ChunkedFlash` plan): query ranges,
+    """:func:`compressed_branch`'s chunks (a :class:`zoo.ops.block_grouped.ChunkedFlash` plan): query ranges,
     each over the keys up to the last one any of its queries sees."""
 
     def __init__(self, chunks, visible, dtype) -> None:
@@ -202,7 +194,7 @@ class _VisiblePrefix:
         grad[:, :, : piece_grad.shape[2]] += piece_grad
 
 
-def window_attention(
+def window_branch(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, window: int, groups: int = 1
 ) -> torch.Tensor:
     """Causal sliding window (t - s < window) over one row span with as many queries as keys, k/v with the KV heads
@@ -210,7 +202,7 @@ def window_attention(
     (:func:`zoo.ops.block_grouped.band_attention`); otherwise on the band kernel."""
     n = k.shape[-2]
     if flash_available(q) and call.padding_mask is None:
-        block = min(WINDOW_BLOCK, max(16, -(-window // 16) * 16))
+        block = min(limits.NSA_WINDOW_QUERY_BLOCK, max(16, -(-window // 16) * 16))
         return band_attention(q, k[:, ::groups], v[:, ::groups], window, block, call.scaling, Dropout.of(call))
     block = min(128, max(16, -(-(window // 2) // 16) * 16))  # longformer's query blocks
     real = call.padding_mask if call.padding_mask is not None else q.new_ones(1, n, dtype=torch.bool)
@@ -249,73 +241,28 @@ def nsa_branches(
         q, k, v, call, geometry, compress_k, compress_v, groups
     )
     return (
-        compressed_attention(q, keys, values, visible, call),
-        selected_attention(q, k, v, call, geometry.select, blocks, chosen, positions, groups),
-        window_attention(q, k, v, call, geometry.window, groups),
+        compressed_branch(q, keys, values, visible, call),
+        selected_branch(q, k, v, call, geometry.select, blocks, chosen, positions, groups),
+        window_branch(q, k, v, call, geometry.window, groups),
     )
 
 
-def selected_attention(q, k, v, call: AttentionCall, size: int, blocks, chosen, positions, groups: int):
+def selected_branch(q, k, v, call: AttentionCall, size: int, blocks, chosen, positions, groups: int):
     """The selected branch over one row span: blocks/chosen (B, H, Q, R) name each query's blocks (its own among
     them, as the selection forces it), the same for the ``groups`` query heads of a KV head. On CPU without padding
     and with as many queries as keys: by key block, each KV group's heads in one call
     (:func:`zoo.ops.block_grouped.block_grouped_attention`); on CUDA on fla's kernel where it applies
-    (:func:`zoo.ops.fla_backend.fla_nsa_kernel`); otherwise one gathered entry per query."""
+    (:func:`zoo.ops.backends.fla.fla_nsa_kernel`); otherwise one gathered entry per query."""
     if (kernel := fla_nsa_kernel(q, k, v, call, size, groups)) is not None:
         return fla_nsa_selected(
             kernel, q, k[:, ::groups], v[:, ::groups], blocks[:, ::groups], chosen[:, ::groups], size, call.scaling
         )
-    if not (flash_available(q) and call.padding_mask is None and q.shape[-2] == k.shape[-2]):
+    if not by_key_block_applies(q, k, call):
         return gathered_block_attention(q, k, v, call, size, blocks, chosen, positions)
     blocks, chosen = blocks[:, ::groups], chosen[:, ::groups]
     earlier = chosen & (blocks < (positions // size)[:, None])
     return block_grouped_attention(
         q, k[:, ::groups], v[:, ::groups], blocks, earlier, size, call.scaling, Dropout.of(call)
-    )
-
-
-def nsa_reference_branches(
-    q, k, v, call: AttentionCall, geometry: NSABlocks, compress_k: Compress, compress_v: Compress, groups: int
-):
-    """:func:`nsa_branches` as three dense softmaxes restricted to the same compressed blocks, selected tokens and
-    window (O(n²), tests only)."""
-    keys, values, visible, blocks, chosen, positions = span_parts(
-        q, k, v, call, geometry, compress_k, compress_v, groups
-    )
-    n = k.shape[-2]
-    selected = selected_blocks_mask(blocks, chosen, geometry.select, n, positions, call.padding_mask)
-    offset = positions[:, None] - torch.arange(n, device=q.device)
-    window = (offset >= 0) & (offset < geometry.window)
-    if call.padding_mask is not None:
-        window = window & call.padding_mask[:, None, None, :]
-    return (
-        softmax_attention(q, keys, values, visible(slice(None)), call.scaling),
-        softmax_attention(q, k, v, selected, call.scaling),
-        softmax_attention(q, k, v, window, call.scaling),
-    )
-
-
-def nsa_decode_branches(q, k, v, call: AttentionCall, geometry: NSABlocks, keys, values, filled, starts):
-    """The three outputs of new queries (B, H, Q, D) over a cache of every key (k/v (B, H, n, D), query heads),
-    given each row's compressed keys/values (B, H_kv, J, D) and ``filled`` (B, J), blocks counted from each row's first
-    real token ``starts`` (B,): O(J·d + top_n·l'·d + w·d) per query."""
-    heads, count, n = q.shape[1], q.shape[-2], k.shape[-2]
-    groups = heads // keys.shape[1]
-    positions = call.query_positions(count, n, q.device)
-    ends = compressed_ends(keys.shape[-2], geometry, q.device, starts)
-
-    def visible(rows: slice) -> torch.Tensor:
-        return ((ends[:, None, :] <= positions[rows, None]) & filled[:, None, :])[:, None]
-
-    own = torch.div(positions[None] - starts[:, None], geometry.select, rounding_mode="floor").clamp(min=0)
-    blocks, chosen = select(q, keys, visible, own, geometry, geometry.selection_count(n), call.scaling)
-    blocks, chosen, keys, values = (x.repeat_interleave(groups, 1) for x in (blocks, chosen, keys, values))
-    key_pos = positions[:, None] - geometry.window + 1 + torch.arange(geometry.window, device=q.device)  # (Q, w)
-    in_window = (key_pos >= 0).expand(*q.shape[:2], -1, -1)
-    return (
-        compressed_attention(q, keys, values, visible, call),
-        decode_block_attention(q, k, v, call, geometry.select, blocks, chosen, starts, positions),
-        attention_at_positions(q, k, v, key_pos.expand(*q.shape[:2], -1, -1), in_window, call),
     )
 
 
