@@ -277,14 +277,14 @@ class Pattern:
     key_blocks: Callable[[torch.Tensor], torch.Tensor] | None = None
     whole_blocks: bool = False
     """The predicate is constant on each ``block_size`` x ``block_size`` tile (BigBird's block layout): one pair
-    per tile decides the tile (`zoo.ops.flex` builds its block mask from that)."""
+    per tile decides the tile (`zoo.ops.backends.flex` builds its block mask from that)."""
     block_origin: torch.Tensor | None = None
     """(B|1,) long: where each row's whole blocks start (its first real token, so the blocks do not move with the
     amount of padding); None: every row's blocks start at 0."""
     plain_window: bool = False
     """Every key within ``reach`` behind a query and every sink is in the pattern (a sliding window with sinks, no
     holes such as a dilation): what a windowed cache selects for one query past the ``global_queries`` is then
-    exactly that query's keys, and a decoding step needs no mask (`zoo.ops.selected.selected_attention`)."""
+    exactly that query's keys, and a decoding step needs no mask (`zoo.ops.decode_selected.selected_attention`)."""
 
     def __call__(self, b, h, q_idx, kv_idx):
         return self.mask_mod(b, h, q_idx, kv_idx)

@@ -116,7 +116,7 @@ def _auto_may_pick_flex(variant: Variant, q: torch.Tensor) -> bool:
 
 
 def after_flex_failure(variant: Variant, error: Exception) -> None:
-    """Flex could not run a call it was picked for (``zoo.ops.flex.FlexRecompileLimitError``): under a forced
+    """Flex could not run a call it was picked for (``zoo.ops.backends.flex.FlexRecompileLimitError``): under a forced
     ``"flex"`` raise, naming why; otherwise log once and let the variant's chunked kernel run it."""
     if _settings["backend"] == "flex":
         raise FlexUnavailableError(
