@@ -65,6 +65,7 @@ from zoo.training.compare_report import (
 )
 from zoo.training.compare_sweep import EDGE_NOTE, finite, sweep_lines, sweep_record, validation_key
 from zoo.training.kinds import KINDS
+from zoo.training.numerics import pinned_env
 
 __all__ = [
     "COMPARE_KEYS", "EDGE_NOTE", "FAILED", "KINDS", "METRIC_COLUMNS", "SPEED_COLUMNS", "TASK_KEYS", "Entry",
@@ -107,7 +108,7 @@ def compare(config_path: str, output_dir: str | None = None, overwrite: bool = F
         progress.set_postfix_str(f"{run.task} / {run.name} / seed {run.seed}{rate}")
         outcome = reusable(run) if resume else None
         reused = outcome is not None
-        outcome = outcome or launch(run, cfg["launcher"], cfg["timeout_minutes"] * 60)
+        outcome = outcome or launch(run, cfg["launcher"], cfg["timeout_minutes"] * 60, pinned_env(cfg["cpu_isa"]))
         row = row_for(run, outcome)
         rows.append(row)
         metric, label = KINDS[run.kind].headline

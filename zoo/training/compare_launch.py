@@ -42,7 +42,8 @@ def unavailable_reason(variant: str) -> str | None:
     return None
 
 
-def launch(run: Run, launcher: str | None, timeout_s: float) -> Outcome:
+def launch(run: Run, launcher: str | None, timeout_s: float, env: dict[str, str] | None = None) -> Outcome:
+    """Run one fine-tune as its own process (``env``: variables added to this process's environment)."""
     reason = unavailable_reason(run.config.get("variant", "sdpa"))
     if reason:
         return Outcome("unavailable", reason)
@@ -54,7 +55,8 @@ def launch(run: Run, launcher: str | None, timeout_s: float) -> Outcome:
     log_path = run.run_dir.parent / f"{run.run_dir.name}.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            command_for(run_config, launcher), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            command_for(run_config, launcher), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **(env or {})},
         )
         try:
             returncode = process.wait(timeout=timeout_s)

@@ -11,9 +11,10 @@ from typing import Any
 
 from zoo.data import get_task
 from zoo.training.config import FinetuneConfig, check_known_keys, load_yaml
+from zoo.training.numerics import pinned_env
 
 COMPARE_KEYS = ("output_dir", "launcher", "seeds", "timeout_minutes", "overrides", "learning_rates", "variants",
-                "tasks")
+                "tasks", "cpu_isa")
 TASK_KEYS = ("name", "config", "overrides", "variants", "seeds")
 
 @dataclass
@@ -76,6 +77,8 @@ def load_compare_config(path: str) -> dict:
     cfg.setdefault("seeds", [42])
     cfg.setdefault("launcher", None)
     cfg.setdefault("timeout_minutes", 60)
+    cfg.setdefault("cpu_isa", None)
+    pinned_env(cfg["cpu_isa"])  # an unknown value fails here, before any run
     if cfg["launcher"] and not Path(cfg["launcher"]).is_file():
         raise FileNotFoundError(f"launcher {cfg['launcher']!r} (an accelerate config file) does not exist.")
     return cfg

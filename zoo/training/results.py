@@ -26,6 +26,7 @@ from zoo.plug.spec import variant_spec
 from zoo.reporting import MB, peak_memory_bytes
 from zoo.training import lm
 from zoo.training.config import FinetuneConfig
+from zoo.training.numerics import numerics_record
 
 
 class MetricComputer:
@@ -109,6 +110,7 @@ def results_record(cfg, model, examples, outcome: dict, speeds: dict, launch: di
         "max_steps": cfg.max_steps if cfg.max_steps > 0 else None,
         "num_train_epochs": float(cfg.num_train_epochs),
         "packages": package_versions(),
+        "numerics": numerics_record(),
         "config": dataclasses.asdict(cfg),
     }
 
