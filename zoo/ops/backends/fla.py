@@ -1,6 +1,6 @@
 """flash-linear-attention's triton kernels (fla 0.6.0, ``pip install "attention-zoo[fla]"``) as an optional CUDA
 backend of :func:`zoo.ops.delta_rule.delta_rule`, :func:`zoo.ops.gated_linear.gated_linear_attention` and the
-selected branch of ``nsa`` (:func:`zoo.ops.nsa.selected_attention`).
+selected branch of ``nsa`` (:func:`zoo.ops.nsa.selected_branch`).
 
 Those entry points ask :func:`fla_kernel` first; it gives fla's function only when the call can run there with the
 same semantics, else None and the zoo's own chunked kernel runs:
