@@ -55,7 +55,7 @@ def imports_of(path: Path) -> list[tuple[str, int, bool]]:
             if isinstance(child, ast.Import):
                 found.extend((alias.name, child.lineno, in_function) for alias in child.names)
             elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
-                # `from zoo.ops.backends import flex` imports the module zoo.ops.backends.flex (its package comes with any submodule)
+                # `from zoo.ops.backends import flex` imports the module zoo.ops.backends.flex (and its packages)
                 submodules = [f"{child.module}.{a.name}" for a in child.names if f"{child.module}.{a.name}" in MODULES]
                 if len(submodules) < len(child.names):
                     found.append((child.module, child.lineno, in_function))
