@@ -34,7 +34,7 @@ BUILT_IN_POLICIES: dict[str, type[Policy]] = {
     cls.name: cls for cls in (SinksRecent, KNorm, TOVA, H2O, SnapKV, ExpectedAttention)
 }
 POLICIES = tuple(BUILT_IN_POLICIES)  # the built-in policies' names
-DEFAULT_POLICY = SnapKV.name  # the best of the built-in policies in the evaluation (docs/variants/budget.md)
+DEFAULT_POLICY = SnapKV.name  # the most robust policy in `zoo eval` (docs/guides/long-context-eval.md)
 OLD_WINDOW_POLICIES = ("snapkv", "expected_attention")  # the policies the budget variant's `window` used to set
 
 PolicySpec = str | Mapping[str, Any] | Policy  # what as_policy reads
