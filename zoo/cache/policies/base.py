@@ -45,10 +45,11 @@ class KeptKeys(Protocol):
 @dataclass(frozen=True)
 class Policy:
     """A KV policy. Subclasses set ``name``, declare their parameters as dataclass fields (with defaults: a value of
-    another type is refused) and override :meth:`score`; :meth:`check` may refuse values out of range. Flags say what
-    the cache records for it: ``records_queries`` (the layer keeps the last :attr:`recorded_window` queries,
-    ``layer.queries``: a ``window`` field, else ``query_window``, else :data:`DEFAULT_QUERY_WINDOW`),
-    ``accumulates`` (the kernel adds every query's attention to ``layer.mass`` at every call)."""
+    another type is refused; a ``window`` of recorded queries below 1 too) and override :meth:`score`; :meth:`check`
+    may refuse other values out of range. Flags say what the cache records for it: ``records_queries`` (the layer
+    keeps the last :attr:`recorded_window` queries, ``layer.queries``: a ``window`` field, else ``query_window``, else
+    :data:`DEFAULT_QUERY_WINDOW`), ``accumulates`` (the kernel adds every query's attention to ``layer.mass`` at every
+    call)."""
 
     name: ClassVar[str] = ""
     records_queries: ClassVar[bool] = False
@@ -65,6 +66,8 @@ class Policy:
                 object.__setattr__(self, spec.name, float(value))
             elif not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
                 raise self.invalid(spec.name, f"a value of type {expected.__name__}")
+        if self.records_queries and "window" in {spec.name for spec in fields(self)}:
+            self.at_least("window", 1)  # the count of recorded queries
         self.check()
 
     def check(self) -> None:

@@ -23,9 +23,6 @@ class ExpectedAttention(Policy):
     records_queries = True
     window: int = 32
 
-    def check(self) -> None:
-        self.at_least("window", 1)
-
     def score(self, layer: KeptKeys) -> torch.Tensor:
         return kept.expected_attention_scores(layer.queries, layer.query_real, layer.keys, layer.values, layer.real,
                                               layer.scaling)

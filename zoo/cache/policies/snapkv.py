@@ -26,7 +26,6 @@ class SnapKV(Policy):
     pool: int = 7
 
     def check(self) -> None:
-        self.at_least("window", 1)
         if self.pool < 1 or self.pool % 2 == 0:
             raise self.invalid("pool", "an odd int >= 1 (the pooled scores keep one per key)")
 

@@ -22,9 +22,6 @@ class TOVA(Policy):
     records_queries = True
     window: int = 1
 
-    def check(self) -> None:
-        self.at_least("window", 1)
-
     def score(self, layer: KeptKeys) -> torch.Tensor:
         return kept.recent_query_attention(layer.queries, recorded_query_positions(layer), layer.query_real,
                                            layer.keys, layer.pos, layer.real, layer.scaling)
