@@ -15,7 +15,7 @@ from zoo.bench import passkey as bench_passkey
 from zoo.data import brown, gutenberg
 from zoo.data.npm import DataUnavailableError, fetch
 from zoo.data.pretrained import PretrainedModelMissing, smollm2_folder
-from zoo.eval.tasks import DEPTH_TASKS, TASKS, Sample, make_samples, minimum_length, task_options
+from zoo.eval.tasks import TASKS, Sample, make_samples, minimum_length, task_options
 from zoo.eval.tasks import haystack as haystacks
 from zoo.eval.tasks.words import default_common_freq
 
@@ -111,7 +111,7 @@ def test_every_task_makes_prompts_of_exactly_the_length_with_answers_in_the_cont
         assert all(isinstance(i, int) for i in sample.ids)
     assert len({s.new_tokens for s in samples}) == 1, "one cell generates as one batch"
     assert len({s.seed for s in samples}) == 3 and [s.index for s in samples] == [0, 1, 2]
-    assert all((s.depth is not None) == (task in DEPTH_TASKS) for s in samples)
+    assert all((s.depth is not None) == TASKS[task].depth for s in samples)
 
 
 def test_the_checks_catch_broken_samples(tokenizer):
@@ -140,7 +140,7 @@ def test_samples_are_deterministic_in_their_seed(tokenizer, task):
     relabelled = make_samples(tokenizer, task, length, 1, seed=7, label=f"{task}_other")[0]
     assert relabelled.task == f"{task}_other" and relabelled.seed != first[0].seed
     # a sample is the same whatever else the run draws (more samples, the same depths: the same first ones)
-    depths = [s.depth for s in first] if task in DEPTH_TASKS else None
+    depths = [s.depth for s in first] if TASKS[task].depth else None
     assert make_samples(tokenizer, task, length, 3, seed=7, depths=depths)[1].ids == first[1].ids
     assert make_samples(tokenizer, task, length, 5, seed=7, depths=depths and depths + depths)[1].ids == first[1].ids
 

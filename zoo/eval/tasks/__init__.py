@@ -9,6 +9,9 @@ the same whatever else the run holds. Tasks (their options and defaults: :func:`
 - ``niah_single``, ``niah_multikey``, ``niah_multivalue``, ``niah_multiquery`` (:mod:`.niah`),
 - ``variable_tracking`` (:mod:`.tracking`), ``common_words`` and ``frequent_words`` (:mod:`.words`),
 - ``passkey`` (:mod:`.passkey`).
+
+Each task module registers its tasks (:class:`~.registry.EvalTask`: the builder, whether it puts a needle at a
+depth, its answer budget) when imported; a new task is a module of its own, imported below.
 """
 
 from __future__ import annotations
@@ -17,16 +20,16 @@ import dataclasses
 import hashlib
 import inspect
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
-from zoo.eval.tasks import niah, passkey, tracking, words
-from zoo.eval.tasks.haystack import Prompt, TooShortError, encode
+from zoo.eval.tasks import niah, passkey, tracking, words  # noqa: F401  (each registers its tasks)
+from zoo.eval.tasks.haystack import Prompt, TooShortError
+from zoo.eval.tasks.registry import REGISTRY, EvalTask, register
 
-TASKS: dict[str, Callable[..., Prompt]] = {**niah.BUILDERS, **tracking.BUILDERS, **words.BUILDERS, **passkey.BUILDERS}
-# The tasks whose samples put a needle at a depth (the others spread their parts or have none).
-DEPTH_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "passkey")
+TASKS: Mapping[str, EvalTask] = MappingProxyType(REGISTRY)  # every registered task by name (read only)
 # Probe samples behind :func:`minimum_length`.
 PROBES = 64
 
@@ -62,10 +65,14 @@ def sample_seed(seed: int, label: str, length: int, index: int) -> int:
     return int.from_bytes(digest[:8], "big") >> 1
 
 
-def _builder(task: str) -> Callable[..., Prompt]:
+def _task(task: str) -> EvalTask:
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; known tasks: {', '.join(TASKS)}.")
     return TASKS[task]
+
+
+def _builder(task: str) -> Callable[..., Prompt]:
+    return _task(task).build
 
 
 def task_options(task: str) -> dict[str, Any]:
@@ -84,18 +91,9 @@ def _resolve(task: str, options: dict[str, Any]) -> dict[str, Any]:
 
 
 def answer_tokens(tokenizer, task: str, answers: list[str]) -> int:
-    """Tokens enough for a greedy answer naming every expected string, with room to spare: the answers as a comma
-    list (numbered for ``common_words``, ``VAR``-prefixed for ``variable_tracking``, as models tend to write them),
-    plus a fifth (at least 4 tokens); ``passkey``: ``zoo.bench.passkey.NEW_TOKENS``."""
-    if task == "passkey":
-        return passkey.NEW_TOKENS
-    forms = [", ".join(answers)]
-    if task == "common_words":
-        forms.append(" ".join(f"{number}. {word}" for number, word in enumerate(answers, 1)))
-    if task == "variable_tracking":
-        forms.append(", ".join(f"VAR {name}" for name in answers))
-    need = max(len(encode(tokenizer, " " + form)) for form in forms)
-    return need + max(4, need // 5)
+    """Tokens enough for a greedy answer naming every expected string (:meth:`EvalTask.answer_tokens`: the answers
+    as a comma list or the task's own forms, plus a fifth; ``passkey``: ``zoo.bench.passkey.NEW_TOKENS``)."""
+    return _task(task).answer_tokens(tokenizer, answers)
 
 
 def _least(tokenizer, task: str, build: Callable[..., Prompt], rng: random.Random, options: dict[str, Any]) -> int:
@@ -116,7 +114,7 @@ def minimum_length(tokenizer, task: str, **options) -> int:
 
 
 def _depths(task: str, count: int, depths: list[float] | None) -> list[float | None]:
-    if task not in DEPTH_TASKS:
+    if not _task(task).depth:
         return [None] * count
     if depths is None:
         return [(i + 0.5) / count for i in range(count)]
@@ -171,3 +169,7 @@ def make_samples(tokenizer, task: str, length: int, count: int, *, seed: int = 0
     for sample in samples:
         sample.new_tokens = new_tokens
     return samples
+
+
+__all__ = ["TASKS", "EvalTask", "Prompt", "Sample", "TooShortError", "answer_tokens", "make_samples", "minimum_length",
+           "register", "sample_seed", "task_options"]

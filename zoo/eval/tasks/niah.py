@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 import uuid
-from collections.abc import Callable
 
 from zoo.eval.tasks.haystack import (
     HAYSTACKS,
@@ -22,6 +21,7 @@ from zoo.eval.tasks.haystack import (
     too_short_for_haystack,
 )
 from zoo.eval.tasks.haystack import haystack as make_haystack
+from zoo.eval.tasks.registry import EvalTask, register
 
 VALUES = ("number", "uuid")
 KEYS = ("word", "number", "uuid")
@@ -149,9 +149,5 @@ def niah_multiquery(tokenizer, length: int, rng: random.Random, depth: float, *,
                     {"keys": keys})
 
 
-BUILDERS: dict[str, Callable[..., Prompt]] = {
-    "niah_single": niah_single,
-    "niah_multikey": niah_multikey,
-    "niah_multivalue": niah_multivalue,
-    "niah_multiquery": niah_multiquery,
-}
+register(*(EvalTask(build.__name__, build, depth=True)
+            for build in (niah_single, niah_multikey, niah_multivalue, niah_multiquery)))

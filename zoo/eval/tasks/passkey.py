@@ -7,8 +7,7 @@ import random
 
 from zoo.bench.passkey import HEADER, NEEDLE, NEW_TOKENS, QUESTION, build_prompt
 from zoo.eval.tasks.haystack import MIN_HAYSTACK, Prompt, encode, too_short_for_haystack
-
-__all__ = ["NEW_TOKENS", "passkey"]
+from zoo.eval.tasks.registry import EvalTask, register
 
 
 def passkey(tokenizer, length: int, rng: random.Random, depth: float) -> Prompt:
@@ -22,4 +21,4 @@ def passkey(tokenizer, length: int, rng: random.Random, depth: float) -> Prompt:
                   depth=depth, meta={"haystack": "noise", "key": key})
 
 
-BUILDERS = {"passkey": passkey}
+register(EvalTask("passkey", passkey, depth=True, new_tokens=NEW_TOKENS))  # the benchmark's answer budget

@@ -19,6 +19,7 @@ from zoo.eval.tasks.haystack import (
     too_short_for_haystack,
 )
 from zoo.eval.tasks.haystack import haystack as make_haystack
+from zoo.eval.tasks.registry import EvalTask, register
 
 HEADER = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n"
 FIRST = "VAR {name} = {value}."
@@ -82,4 +83,5 @@ def variable_tracking(tokenizer, length: int, rng: random.Random, depth: float |
                         "statement_offsets": [len(head) + offset for offset in offsets]})
 
 
-BUILDERS = {"variable_tracking": variable_tracking}
+register(EvalTask("variable_tracking", variable_tracking,
+                  answer_forms=lambda names: [", ".join(f"VAR {name}" for name in names)]))

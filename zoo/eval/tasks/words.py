@@ -20,6 +20,7 @@ from zoo.eval.tasks.haystack import (
     pad_ids,
     too_short,
 )
+from zoo.eval.tasks.registry import EvalTask, register
 
 COMMON_HEADER = ("Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
                  "ones that appear most often.\n")
@@ -199,4 +200,6 @@ def frequent_words(tokenizer, length: int, rng: random.Random, depth: float | No
                         "pad": pad})
 
 
-BUILDERS = {"common_words": common_words, "frequent_words": frequent_words}
+register(EvalTask("common_words", common_words,
+                  answer_forms=lambda words: [" ".join(f"{number}. {word}" for number, word in enumerate(words, 1))]),
+         EvalTask("frequent_words", frequent_words))
