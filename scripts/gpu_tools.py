@@ -340,7 +340,7 @@ def cmd_env(args: argparse.Namespace) -> int:
         problems.append(f"zoo: {imported}")
     else:
         where = Path(sys.modules["zoo"].__file__).parent
-        rows.append(("zoo package", imported, str(where)))
+        rows.append(("zoo package", imported, origin(where, site)))  # not the path: it names a temporary folder
         if origin(where, site) != "carried":
             problems.append(f"zoo imported from {where}, not from the project wheel installed in {site}")
     for module in ("datasets", "evaluate", "xformers.ops"):  # not used by the check's steps: reported only

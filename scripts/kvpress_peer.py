@@ -15,8 +15,9 @@ at positions that continue from the tokens seen (a pruned cache is shorter). "Sn
 prompt without its question, which is then fed uncompressed. DecodingPress never compresses the prefill: it evicts
 down to ``int(budget * length)`` keys at every decoding step. With ``--eval`` (and ``--shared``) one prefill serves
 every press (:func:`run_shared`); a group's rows share its wall seconds. Eval rows hold the decoded ``outputs``
-only: the zoo scores them. Standalone: imports nothing from the zoo; torch, transformers and kvpress are imported
-only where kvpress is installed, so the pure functions (groups, pending jobs, rows) import anywhere (tests).
+only: the zoo scores them. Standalone: imports nothing from the zoo (its ``zoo/reporting.py``, standard library
+only, is loaded by path for JSON lines); torch, transformers and kvpress are imported only where kvpress is
+installed, so the pure functions (groups, pending jobs, rows) import anywhere (tests).
 """
 
 from __future__ import annotations
@@ -55,23 +56,18 @@ EVAL_DEFAULT_DECODING = ("DecodingPress (KNorm)",)
 
 # ---- pure functions (no torch, no kvpress) ----
 
-def read_rows(path: Path) -> list[dict]:
-    """The JSON lines of ``path`` ([] when missing; a line cut short by an interrupted run is skipped)."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            if line.strip():
-                rows.append(json.loads(line))
-    return rows
+def _load_reporting():
+    """The zoo's ``zoo/reporting.py`` (JSON lines), loaded by its path: it imports only the standard library, and
+    the kvpress environment has no zoo to import it from."""
+    spec = importlib.util.spec_from_file_location("zoo_reporting",
+                                                  Path(__file__).resolve().parents[1] / "zoo" / "reporting.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def append_row(path: Path, row: dict) -> None:
-    """Append ``row`` as one JSON line (after a newline if the file ends without one)."""
-    lead = "\n" if path.exists() and path.stat().st_size and not path.read_bytes().endswith(b"\n") else ""
-    with path.open("a") as handle:
-        handle.write(lead + json.dumps(row) + "\n")
+_reporting = _load_reporting()
+read_jsonl, append_jsonl = _reporting.read_jsonl, _reporting.append_jsonl
 
 
 def contestant(press: str, budget: float) -> str:
@@ -142,19 +138,24 @@ def by_kind(specs: list[tuple]) -> list[tuple[str, list[tuple]]]:
     return [(k, group) for k, group in kinds if group]
 
 
+def fields(press: str, budget: float) -> dict:
+    """What zoo eval's report finds a row by (zoo/eval/rows.py), never its name."""
+    return {"contestant": contestant(press, budget), "source": "kvpress", "family": "kvpress", "press": press,
+            "policy": press, "budget": budget, "tokens": None, "nbits": None, "decoding": press in DECODING}
+
+
 def eval_row(press: str, budget: float, samples: list[dict], outputs: list[str], nbytes: int, seconds: float,
              threads: int, versions: dict) -> dict:
     """One row of RUN_DIR/kvpress.jsonl; ``nbytes``: the cache bytes of all samples (the row has per sample)."""
-    return {"contestant": contestant(press, budget), "family": "kvpress", "press": press, "budget": budget,
-            "task": samples[0]["task"], "length": samples[0]["length"], "indices": [s["index"] for s in samples],
+    return {**fields(press, budget), "task": samples[0]["task"], "length": samples[0]["length"],
+            "indices": [s["index"] for s in samples],
             "outputs": outputs, "cache_bytes": nbytes // len(samples), "seconds": seconds, "threads": threads,
             "shared_prefill": True, **versions}
 
 
 def eval_error_row(press: str, budget: float, task: str, length: int, error: str, threads: int,
                    versions: dict) -> dict:
-    return {"contestant": contestant(press, budget), "family": "kvpress", "press": press, "budget": budget,
-            "task": task, "length": length, "error": error, "threads": threads, **versions}
+    return {**fields(press, budget), "task": task, "length": length, "error": error, "threads": threads, **versions}
 
 
 def passkey_row(press: str, budget: float, samples: list[dict], answers: list[str], nbytes: int, seconds: float,
@@ -386,8 +387,8 @@ def run_eval(args, tokenizer, model_for) -> None:
     """zoo eval's prompts: rows appended to RUN_DIR/kvpress.jsonl, the finished ones skipped."""
     path = args.eval / "kvpress.jsonl"
     versions = {"transformers": transformers.__version__, "kvpress": importlib.metadata.version("kvpress")}
-    done = finished(read_rows(path))
-    groups = group_samples(read_rows(args.eval / "prompts.jsonl"), args.tasks, args.lengths)
+    done = finished(read_jsonl(path))
+    groups = group_samples(read_jsonl(args.eval / "prompts.jsonl"), args.tasks, args.lengths)
     specs = eval_specs(args.budgets, args.decoding_budgets, args.only)
     try:
         from tqdm import tqdm
@@ -413,7 +414,7 @@ def run_eval(args, tokenizer, model_for) -> None:
                                                      skip_special_tokens=True)
                     row = eval_row(press, budget, state["samples"], outputs, state["bytes"], state["seconds"],
                                    args.threads, versions)
-                append_row(path, row)
+                append_jsonl(path, row)
                 print(json.dumps({k: row[k] for k in ("contestant", "task", "length", "seconds", "error")
                                   if k in row}), flush=True)
 
@@ -444,7 +445,7 @@ def run_passkey(args, tokenizer, model_for) -> None:
                     answers = tokenizer.batch_decode(torch.cat(state["tokens"]))
                     row = passkey_row(press, budget, state["samples"], answers, state["bytes"], state["seconds"],
                                       args.threads, args.shared)
-                append_row(args.out / "kvpress.jsonl", row)
+                append_jsonl(args.out / "kvpress.jsonl", row)
                 print(json.dumps({k: row.get(k) for k in ("name", "budget", "context", "found", "seconds", "error")
                                   if k in row}), flush=True)
 

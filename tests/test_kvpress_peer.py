@@ -96,7 +96,8 @@ def test_eval_row_format():
     samples = [_sample(index=3), _sample(index=5)]
     row = peer.eval_row("SnapKV", 0.25, samples, [" 3", " 5"], 1000, 2.5, 2, {"transformers": "5.2.0",
                                                                               "kvpress": "0.5.5"})
-    assert row == {"contestant": "kvpress SnapKV 25%", "family": "kvpress", "press": "SnapKV", "budget": 0.25,
+    assert row == {"contestant": "kvpress SnapKV 25%", "source": "kvpress", "family": "kvpress", "press": "SnapKV",
+                   "policy": "SnapKV", "budget": 0.25, "tokens": None, "nbits": None, "decoding": False,
                    "task": "niah_single", "length": 8, "indices": [3, 5], "outputs": [" 3", " 5"],
                    "cache_bytes": 500, "seconds": 2.5, "threads": 2, "shared_prefill": True,
                    "transformers": "5.2.0", "kvpress": "0.5.5"}
@@ -107,9 +108,9 @@ def test_eval_row_format():
 def test_rows_survive_a_line_cut_short(tmp_path):
     path = tmp_path / "kvpress.jsonl"
     path.write_text(json.dumps({"a": 1}) + "\n" + '{"cut": ')
-    peer.append_row(path, {"b": 2})
-    assert peer.read_rows(path) == [{"a": 1}, {"b": 2}]
-    assert peer.read_rows(tmp_path / "missing.jsonl") == []
+    peer.append_jsonl(path, {"b": 2})
+    assert peer.read_jsonl(path) == [{"a": 1}, {"b": 2}]
+    assert peer.read_jsonl(tmp_path / "missing.jsonl") == []
 
 
 def test_passkey_samples_keep_the_first_keys_per_depth():
@@ -145,7 +146,7 @@ def test_end_to_end_in_the_kvpress_environment(tmp_path):
                "--decoding_budgets", "0.5", "--only", "no press", "KNorm", "TOVA", "DecodingPress (KNorm)"]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     subprocess.run(command, check=True, env=env, timeout=600, capture_output=True)
-    rows = peer.read_rows(tmp_path / "kvpress.jsonl")
+    rows = peer.read_jsonl(tmp_path / "kvpress.jsonl")
     assert [r["contestant"] for r in rows] == ["kvpress no press", "kvpress KNorm 50%", "kvpress TOVA 50%",
                                                "kvpress DecodingPress (KNorm) 50%"]
     assert all("error" not in r and r["indices"] == [0, 1] and len(r["outputs"]) == 2 for r in rows)
@@ -154,4 +155,4 @@ def test_end_to_end_in_the_kvpress_environment(tmp_path):
     scored = score_peer_rows(rows, {(s.task, s.length, s.index): s for s in samples})
     assert scored[0]["scores"] == [1.0, 1.0]
     subprocess.run(command, check=True, env=env, timeout=600, capture_output=True)  # resumed: nothing left to run
-    assert len(peer.read_rows(tmp_path / "kvpress.jsonl")) == len(rows)
+    assert len(peer.read_jsonl(tmp_path / "kvpress.jsonl")) == len(rows)

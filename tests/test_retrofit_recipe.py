@@ -73,29 +73,46 @@ def test_stage1_lowers_every_layers_error_and_measures_its_swap_kl(retrofit_run)
 
 
 def test_layouts_follow_their_rule_and_reload_as_hybrids(retrofit_run):
-    _, summary = retrofit_run
+    config, summary = retrofit_run
+    out = load_config(config).output_dir
     layouts = {record["name"]: record for record in summary["layouts"]}
     assert layouts["every2"]["kept_full"] == [1, 3]
     kl = {row["layer"]: row["swap_kl"] for row in summary["stage1"]["layers"]}
     assert layouts["selected"]["kept_full"] == sorted(sorted(kl, key=kl.get)[-2:])
     for record in layouts.values():
-        folder = record["model_folder"]
+        folder = out / record["model_folder"]
         model = transformers.AutoModelForCausalLM.from_pretrained(folder)
         layers = zoo.variant_spec(model.config)["params"]["layers"]
         assert [i for i, layer in enumerate(layers) if layer["variant"] == "sdpa"] == record["kept_full"]
         assert all(layers[i]["variant"] == "gated_deltanet" for i in record["converted"])
         two = record["stage2"]
         assert two["tokens"] == 2 * 2 * 64 and two["held_out_kl"] >= 0 and two["seconds"] > 0
-        assert [tokens for tokens, _ in stage2_curve(record)] == [128, 256]  # validation at each step
+        assert [tokens for tokens, _ in stage2_curve(record, out)] == [128, 256]  # validation at each step
         own = json.loads((Path(folder) / "retrofit.json").read_text())
         assert own["layout"]["kept_full"] == record["kept_full"]
         card = (Path(folder) / "README.md").read_text()
         assert "base_model:" in card and "## Transfer map" in card and "retrofit" in card
 
 
+def test_the_records_name_paths_relative_to_the_run_folder(retrofit_run):
+    config, summary = retrofit_run
+    out = load_config(config).output_dir
+    assert summary["layouts"][0]["model_folder"] == f"{summary['layouts'][0]['name']}/stage2"
+    assert summary["eval_folder"] == "eval" and summary["config"]["output_dir"] == "."
+    records = [out / "retrofit.json", *out.glob("*/stage2.yaml"), *out.glob("*/stage2/retrofit.json"),
+               *out.glob("*/stage2/README.md")]
+    assert len(records) == 1 + 3 * len(summary["layouts"])
+    for path in records:
+        assert str(out) not in path.read_text(), path
+    settings = yaml.safe_load(next(out.glob("*/stage2.yaml")).read_text())
+    assert settings["output_dir"].endswith("/stage2") and settings["model_name_or_path"].endswith("/stage1")
+
+
 def test_eval_scores_every_layout_beside_the_original(retrofit_run):
     _, summary = retrofit_run
-    headline = json.loads((Path(summary["eval_folder"]) / "results.json").read_text())
+    config, summary = retrofit_run
+    out = load_config(config).output_dir
+    headline = json.loads((out / summary["eval_folder"] / "results.json").read_text())
     names = {row["contestant"] for row in headline["headline"]}
     assert {"full cache", "retrofit every2", "retrofit selected"} <= names
 

@@ -1,12 +1,18 @@
-"""Small pieces every report of the zoo shares (``zoo bench``, ``zoo.training.compare``, model cards): number formats,
-markdown tables and CSV files, matplotlib set up for files, and peak-memory readings.
+"""Small pieces every report of the zoo shares (``zoo bench``, ``zoo eval``, ``zoo.training.compare``, the retrofit,
+model cards): number formats, markdown tables, CSV and JSON-lines files, paths relative to a run folder, matplotlib
+set up for files, and peak-memory readings.
 
-No zoo imports here: any module may use it. torch and matplotlib are imported only by the functions that need them.
+No zoo imports here and only the standard library at the top: any module may use it, and
+``scripts/kvpress_peer.py`` loads this file by its path from an environment without the zoo. torch and matplotlib
+are imported only by the functions that need them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import json
+import os
 import resource
 import sys
 from collections.abc import Iterable, Sequence
@@ -15,6 +21,7 @@ from typing import Any
 
 MB = 2**20
 NONE = "–"  # what a table shows for a value that was not measured
+REPOSITORY = Path(__file__).resolve().parents[1]  # the checkout (records name paths relative to it or their folder)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -41,9 +48,10 @@ def significant(value: Any, none: str = "?") -> str:
 
 
 def describe_error(exc: BaseException, limit: int = 300) -> str:
-    """An exception as one line for a table: ``TypeName: first line of the message``."""
+    """An exception as one line for a table: ``TypeName: first line of the message`` (files of the checkout named
+    relative to it)."""
     text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0] if str(exc) else type(exc).__name__
-    return text[:limit]
+    return text.replace(f"{REPOSITORY}{os.sep}", "")[:limit]
 
 
 def human_bytes(value: float) -> str:
@@ -79,6 +87,48 @@ def write_csv(path: str | Path, rows: Iterable[dict[str, Any]], fields: Sequence
         writer.writerows(rows)
 
 
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The JSON lines of ``path``: [] when it does not exist; a line cut short by an interrupted run is skipped."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            if line.strip():
+                rows.append(json.loads(line))
+    return rows
+
+
+def append_jsonl(path: str | Path, row: dict) -> None:
+    """Append ``row`` as one JSON line (after a newline when the file ends without one: a line cut short)."""
+    path = Path(path)
+    lead = "\n" if path.exists() and path.stat().st_size and not path.read_bytes().endswith(b"\n") else ""
+    with path.open("a") as handle:
+        handle.write(lead + json.dumps(row) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------------
+# paths
+
+
+def relative_path(path: str | Path, folder: str | Path, root: str | Path | None = None) -> str:
+    """``path`` as a record names it: relative to the run ``folder`` when it lies inside it, else relative to
+    ``root`` (default: the repository, this file's grandparent) when it lies there, else as given (absolute).
+
+    Args:
+        path: the path to record (absolute or relative to the working directory).
+        folder: the folder of the record that names it (its run folder).
+        root: the second anchor; default the repository root.
+    """
+    target = Path(os.path.abspath(path))
+    for anchor in (folder, REPOSITORY if root is None else root):
+        anchor = Path(os.path.abspath(anchor))
+        if target == anchor or anchor in target.parents:
+            return target.relative_to(anchor).as_posix() or "."
+    return str(path)
+
+
 # ---------------------------------------------------------------------------------------------------
 # plots
 
@@ -106,8 +156,29 @@ def save_figure(fig, path: str | Path, dpi: int = 120) -> None:
 
 def max_rss_bytes() -> int:
     """Peak resident memory of this process so far (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+    return rusage_bytes(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+
+
+def rusage_bytes(maxrss: int) -> int:
+    """``ru_maxrss`` in bytes: macOS reports bytes, Linux (and the other systems) KiB."""
+    return maxrss if sys.platform == "darwin" else maxrss * 1024
+
+
+def reset_peak_rss() -> None:
+    """Start this process's peak RSS afresh where the system allows (Linux): Linux carries the parent's high-water
+    mark across fork and exec, so a process started by a large one reports the parent's peak
+    (``echo 5 > /proc/self/clear_refs`` resets it). Elsewhere nothing changes."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak RSS since :func:`reset_peak_rss` (Linux's ``VmHWM``; elsewhere :func:`max_rss_bytes`)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return max_rss_bytes()
 
 
 def peak_memory_bytes() -> int:

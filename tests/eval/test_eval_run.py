@@ -18,8 +18,9 @@ from zoo.eval.cli import main
 from zoo.eval.config import EvalConfigError, expand_contestants, load_config
 from zoo.eval.perplexity import documents, token_losses
 from zoo.eval.report import overall, zoo_against_kvpress
-from zoo.eval.run import read_rows
+from zoo.eval.rows import with_fields
 from zoo.eval.scoring import summarize
+from zoo.reporting import read_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def test_a_tiny_run_measures_every_family_resumes_and_reports(tiny_folder, tmp_p
     out = tmp_path / "run"
     config = write_config(tmp_path / "eval.yaml", tiny_folder, out)
     assert main([str(config)]) == 0
-    rows = read_rows(out / "answers.jsonl")
+    rows = read_jsonl(out / "answers.jsonl")
     assert not [r for r in rows if "error" in r], [r["error"] for r in rows if "error" in r]
     names = {r["contestant"] for r in rows}
     assert len(rows) == 2 * 8 and len(names) == 8
@@ -67,9 +68,9 @@ def test_a_tiny_run_measures_every_family_resumes_and_reports(tiny_folder, tmp_p
         assert by[("budget tova 50%", task)]["cache_bytes"] < full["cache_bytes"]
         assert by[("window + 4 sinks 50%", task)]["cache_bytes"] < full["cache_bytes"]
         assert 0 <= full["low"] <= full["score"] <= full["high"] <= 1 and full["n"] == 2
-    ppl = read_rows(out / "perplexity.jsonl")
+    ppl = read_jsonl(out / "perplexity.jsonl")
     assert {r["contestant"] for r in ppl} == {"full cache", "budget tova 50%"} and not any("error" in r for r in ppl)
-    speed = read_rows(out / "speed.jsonl")
+    speed = read_jsonl(out / "speed.jsonl")
     assert len(speed) == 1 and speed[0]["ms_per_token"] > 0 and speed[0]["peak_rss_bytes"] > 0, speed
     report = (out / "results.md").read_text()
     assert "full cache" in report and "Perplexity by position" in report
@@ -155,8 +156,8 @@ def test_bad_configs_are_refused_with_the_fix(tmp_path):
 
 def _row(name, family, kept, task, scores):
     mean = sum(scores) / len(scores)
-    return {"contestant": name, "family": family, "kept": kept, "task": task, "length": 1024, "scores": scores,
-            **summarize(scores), "score": mean}
+    return with_fields({"contestant": name, "family": family, "kept": kept, "task": task, "length": 1024,
+                        "scores": scores, **summarize(scores), "score": mean, "budget": kept})
 
 
 def test_the_zoo_against_kvpress_verdict_reads_the_intervals():

@@ -6,23 +6,17 @@ against cache bytes), from the rows in ``accuracy.jsonl``, ``kvpress.jsonl``, ``
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from zoo.bench.passkey import NEW_TOKENS
 from zoo.bench.report import write_report
-from zoo.reporting import markdown_table, pyplot, save_figure
-
-
-def read_rows(path: Path) -> list[dict]:
-    """The JSON lines of ``path`` (none when it does not exist)."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+from zoo.reporting import markdown_table, pyplot, read_jsonl, save_figure
 
 
 def accuracy_rows(out: Path) -> list[dict]:
     """The measured accuracy rows, the zoo's and kvpress's, each contestant once (its first row)."""
-    rows = [r for r in read_rows(out / "accuracy.jsonl") if "found" in r]
-    for row in read_rows(out / "kvpress.jsonl"):
+    rows = [r for r in read_jsonl(out / "accuracy.jsonl") if "found" in r]
+    for row in read_jsonl(out / "kvpress.jsonl"):
         if "found" in row:
             rows.append({**row, "family": "kvpress"})
     unique = {}  # a contestant measured twice (two runs appending) is listed once, its first row
@@ -133,10 +127,10 @@ def render_kv_markdown(out: Path) -> str:
     lines += _summary(rows)
     for context in sorted({r["context"] for r in rows}):
         lines += _context_section(rows, context)
-    memory = [r for r in read_rows(out / "memory.jsonl") if "error" not in r and r.get("start_rss_bytes")]
+    memory = [r for r in read_jsonl(out / "memory.jsonl") if "error" not in r and r.get("start_rss_bytes")]
     if memory:
         lines += _memory_section(memory)
-    decode = [r for r in read_rows(out / "decode.jsonl") if r.get("model") == "smollm2-135m"]
+    decode = [r for r in read_jsonl(out / "decode.jsonl") if r.get("model") == "smollm2-135m"]
     if decode:
         lines += _decode_section(decode)
     return "\n".join(lines)

@@ -11,25 +11,33 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, QuantizedCache
 
 from zoo.bench.kv_contestants import RECENT, SINKS, held_bytes, prepare
-from zoo.data.pretrained import smollm2
+from zoo.data.pretrained import smollm2_folder
 from zoo.eval.config import SHARED_FAMILIES
 from zoo.plug.generation import make_cache
 from zoo.plug.install import configure
 
-BUNDLED = {"smollm2": smollm2}
+BUNDLED = {"smollm2": ("HuggingFaceTB/SmolLM2-135M-Instruct", smollm2_folder)}  # name -> (Hub id, its folder)
+
+
+def model_path(name: str) -> str:
+    """The folder or Hub id ``from_pretrained`` reads for a config's ``model``: a bundled name (``smollm2``, offline)
+    gives its converted folder, anything else is a folder or Hub id already."""
+    return str(BUNDLED[name][1]()) if name in BUNDLED else name
+
+
+def hub_id(name: str) -> str:
+    """The Hub id a model card names as ``base_model`` for a config's ``model`` (a bundled name: its original)."""
+    return BUNDLED[name][0] if name in BUNDLED else name
 
 
 def load_model(name: str, device: str | None = None, dtype: str | None = None):
-    """``(model, tokenizer)``: ``smollm2`` (the bundled SmolLM2-135M-Instruct, offline), else a folder or Hub id
-    (``AutoModelForCausalLM.from_pretrained``; import the zoo first so that a saved zoo variant reloads with it), on
+    """``(model, tokenizer)`` of ``name`` (:func:`model_path`: ``smollm2`` or a folder or Hub id;
+    ``AutoModelForCausalLM.from_pretrained``; import the zoo first so that a saved zoo variant reloads with it), on
     ``device`` (default CPU) in ``dtype`` (default the checkpoint's, fp32 for SmolLM2)."""
     options = {"dtype": getattr(torch, dtype)} if dtype else {}
-    if name in BUNDLED:
-        model, tokenizer = BUNDLED[name](**options)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(name, **options).eval()
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    return (model.to(device) if device else model), tokenizer
+    path = model_path(name)
+    model = AutoModelForCausalLM.from_pretrained(path, **options).eval()
+    return (model.to(device) if device else model), AutoTokenizer.from_pretrained(path)
 
 
 def kept_fraction(contestant: dict[str, Any], length: int) -> float:
@@ -93,5 +101,5 @@ def greedy(model, ids: torch.Tensor, new_tokens: int, pad_token_id: int, **kwarg
     return out.sequences[:, ids.shape[1]:], out.past_key_values
 
 
-__all__ = ["SINKS", "as_kv_job", "cache_bytes", "configure_for", "fresh_cache", "greedy", "kept_fraction",
-           "load_model", "shares_prefill"]
+__all__ = ["SINKS", "as_kv_job", "cache_bytes", "configure_for", "fresh_cache", "greedy", "hub_id", "kept_fraction",
+           "load_model", "model_path", "shares_prefill"]

@@ -3,7 +3,8 @@
 tasks separate the policies; the zoo's best policy against kvpress's best press per budget; perplexity by position),
 ``results.csv`` (a row per contestant x task x length), ``results.json`` and three plots (score by length per task,
 score against cache bytes, needle depth x length for ``niah_single``). kvpress's rows are scored here from their
-outputs and the prompts' answers, as the zoo's are.
+outputs and the prompts' answers, as the zoo's are. Rows are found by their contestant's fields (:mod:`zoo.eval.rows`:
+the zoo's full cache is the reference whatever its name), never by their names.
 """
 
 from __future__ import annotations
@@ -14,15 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from zoo.bench.report import write_report
+from zoo.eval.rows import FIELDS, is_peer_reference, is_reference, with_fields
 from zoo.eval.scoring import intervals_overlap, score, summarize
 from zoo.eval.tasks import Sample
-from zoo.reporting import human_bytes, markdown_table, pyplot, save_figure, write_csv
-
-REFERENCE = "full cache"
+from zoo.reporting import human_bytes, markdown_table, pyplot, read_jsonl, save_figure, write_csv
 
 
 def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    """The rows of a run folder's JSON-lines file, each with its contestant's fields."""
+    return [with_fields(row) for row in read_jsonl(path)]
 
 
 def _first_ok(rows: list[dict], key) -> list[dict]:
@@ -78,10 +79,15 @@ def averages(answers: list[dict]) -> dict[str, dict[int, dict]]:
     return table
 
 
+def reference_name(answers: list[dict]) -> str | None:
+    """The name of the zoo's full cache (:func:`~zoo.eval.rows.is_reference`), or None when the run has none."""
+    return next((r["contestant"] for r in answers if is_reference(r)), None)
+
+
 def reference_cells(answers: list[dict], lengths: list[int]) -> set[tuple[str, int]]:
     """The task x length cells of ``lengths`` the reference row has (every cell when there is no reference)."""
     cells = {(r["task"], r["length"]) for r in answers if r["length"] in lengths}
-    mine = {(r["task"], r["length"]) for r in answers if r["contestant"] == REFERENCE}
+    mine = {(r["task"], r["length"]) for r in answers if is_reference(r)}
     return cells & mine if mine else cells
 
 
@@ -105,10 +111,10 @@ def common_lengths(answers: list[dict]) -> list[int]:
 
 
 def _kept(row: dict) -> str:
-    if row["family"] in ("full",) or row.get("contestant") == "kvpress no press":
+    if is_reference(row) or is_peer_reference(row):
         return "100%"
     if row["family"] == "quantized":
-        return row["contestant"].split()[-1]
+        return f"{row['nbits']}-bit"
     return f"{row.get('kept', 1.0):.0%}"
 
 
@@ -123,7 +129,7 @@ def headline(results: dict[str, Any]) -> tuple[list[str], list[dict]]:
     per_length, total = averages(answers), overall(answers, lengths)
     speed = {r["contestant"]: r for r in results["speed"]}
     info = {r["contestant"]: r for r in answers}
-    reference = total.get(REFERENCE, {}).get("score")
+    reference = total.get(reference_name(answers), {}).get("score")
     longest = max(lengths) if lengths else None
     bytes_at = {r["contestant"]: r["cache_bytes"] for r in answers if r["length"] == longest}
     tasks_at = {n: len({r["task"] for r in answers if r["length"] == n}) for n in lengths}
@@ -141,7 +147,7 @@ def headline(results: dict[str, Any]) -> tuple[list[str], list[dict]]:
                      f"{fast['prefill_s']:.2f}" if "prefill_s" in fast else "–",
                      f"{fast['ms_per_token']:.1f}" if "ms_per_token" in fast else "–",
                      human_bytes(fast["peak_rss_bytes"]) if "peak_rss_bytes" in fast else "–"])
-        records.append({"contestant": name, "family": info[name]["family"], "kept": info[name].get("kept"),
+        records.append({"contestant": name, **{k: info[name][k] for k in FIELDS}, "kept": info[name].get("kept"),
                         **{f"avg_{n}": per_length[name].get(n, {}).get("score") for n in lengths}, **summary,
                         "share_of_full": share, "cache_bytes": bytes_at.get(name), **{k: fast.get(k) for k in (
                             "prefill_s", "ms_per_token", "peak_rss_bytes")}})
@@ -187,7 +193,7 @@ def zoo_against_kvpress(answers: list[dict], lengths: list[int]) -> list[str]:
                        reverse=True):
         def best(family: str, kept: float = kept) -> str | None:
             names = [n for n in total if info[n]["family"] == family and abs(info[n]["kept"] - kept) < 1e-9
-                     and "DecodingPress" not in n]
+                     and not info[n]["decoding"]]
             return max(names, key=lambda n: total[n]["score"], default=None)
 
         zoo, peer = best("budget"), best("kvpress")
@@ -211,17 +217,17 @@ def zoo_against_kvpress(answers: list[dict], lengths: list[int]) -> list[str]:
 def peer_agreement(answers: list[dict]) -> str:
     """How often kvpress's uncompressed answers equal the zoo's full-cache answers (the two environments' sanity
     check: transformers 5.2 and 5.24 on the same prompts), and how often their scores do."""
-    ours = {(r["task"], r["length"], i): (o, s) for r in answers if r["contestant"] == REFERENCE
+    ours = {(r["task"], r["length"], i): (o, s) for r in answers if is_reference(r)
             for i, o, s in zip(r["indices"], r["outputs"], r["scores"], strict=True)}
-    theirs = {(r["task"], r["length"], i): (o, s) for r in answers if r["contestant"] == "kvpress no press"
+    theirs = {(r["task"], r["length"], i): (o, s) for r in answers if is_peer_reference(r)
               for i, o, s in zip(r["indices"], r["outputs"], r["scores"], strict=True)}
     both = sorted(set(ours) & set(theirs))
     if not both:
         return "(no kvpress rows on the reference's samples)"
     same = sum(ours[k][0].strip() == theirs[k][0].strip() for k in both)
     scored = sum(ours[k][1] == theirs[k][1] for k in both)
-    return (f"kvpress's `no press` against the zoo's `{REFERENCE}` on the same {len(both)} samples: the same answer "
-            f"text {same} times, the same score {scored} times.")
+    return (f"kvpress's `no press` against the zoo's `{reference_name(answers)}` on the same {len(both)} samples: "
+            f"the same answer text {same} times, the same score {scored} times.")
 
 
 def policy_robustness(answers: list[dict], lengths: list[int]) -> list[str]:
@@ -229,7 +235,7 @@ def policy_robustness(answers: list[dict], lengths: list[int]) -> list[str]:
     policies: dict[str, list[float]] = {}
     for r in answers:
         if r["family"] == "budget" and r["length"] in lengths:
-            policies.setdefault(r["contestant"].split()[1], []).append(r["score"])
+            policies.setdefault(r["policy"], []).append(r["score"])
     ranked = sorted(policies.items(), key=lambda item: -statistics.fmean(item[1]))
     return markdown_table(["policy", "mean over tasks x lengths x budgets", "worst cell", "cells"],
                           [[p, f"{statistics.fmean(v):.3f}", f"{min(v):.2f}", len(v)] for p, v in ranked])
@@ -333,7 +339,8 @@ def write_eval_report(out: Path) -> dict[str, Path]:
     results = load_results(out)
     table, records = headline(results)
     answers = results["answers"]
-    fields = ["contestant", "family", "kept", "task", "length", "score", "low", "high", "n", "cache_bytes"]
+    fields = ["contestant", "source", "family", "policy", "kept", "task", "length", "score", "low", "high", "n",
+              "cache_bytes"]
     files: dict[str, tuple[str, Any]] = {
         "md": ("results.md", render(results, table)),
         "csv": ("results.csv", lambda p: write_csv(p, answers, fields)),

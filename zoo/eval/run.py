@@ -21,26 +21,17 @@ import yaml
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
-from zoo.data.pretrained import smollm2_folder
 from zoo.eval.answer import answer_cell
 from zoo.eval.config import EvalConfig
-from zoo.eval.contestants import load_model
+from zoo.eval.contestants import load_model, model_path
 from zoo.eval.perplexity import perplexity_row
 from zoo.eval.report import write_eval_report
+from zoo.eval.rows import row_fields
 from zoo.eval.speed import measure_in_process
 from zoo.eval.tasks import Sample, make_samples
+from zoo.reporting import append_jsonl, read_jsonl
 
 PEER = Path(__file__).resolve().parents[2] / "scripts" / "kvpress_peer.py"
-
-
-def read_rows(path: Path) -> list[dict]:
-    """The JSON lines of ``path`` (none when it does not exist)."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def append_row(path: Path, row: dict) -> None:
-    with path.open("a") as handle:
-        handle.write(json.dumps(row) + "\n")
 
 
 def build_samples(config: EvalConfig, tokenizer) -> list[Sample]:
@@ -58,7 +49,7 @@ def write_prompts(out: Path, samples: list[Sample], resume: bool) -> None:
     sample it shares with the run it continues must be the same: the answers there belong to it."""
     path = out / "prompts.jsonl"
     if path.exists() and resume:
-        old = {(s.task, s.length, s.index): s.to_json() for s in map(Sample.from_json, read_rows(path))}
+        old = {(s.task, s.length, s.index): s.to_json() for s in map(Sample.from_json, read_jsonl(path))}
         changed = sorted(f"{task} @ {length} #{index}" for (task, length, index), row in old.items()
                          if (new := next((s for s in samples if (s.task, s.length, s.index) == (task, length, index)),
                                          None)) is not None and new.to_json() != row)
@@ -75,6 +66,11 @@ def cells(samples: list[Sample]) -> list[list[Sample]]:
     for sample in samples:
         groups.setdefault((sample.task, sample.length), []).append(sample)
     return list(groups.values())
+
+
+def record(path: Path, row: dict, contestant: dict) -> None:
+    """Append a measurement of ``contestant`` with the fields the report finds it by (:mod:`zoo.eval.rows`)."""
+    append_jsonl(path, {**row, **row_fields(contestant)})
 
 
 def finished(rows: list[dict]) -> set[tuple[str, str, int]]:
@@ -104,10 +100,11 @@ def run_answers(config: EvalConfig, samples: list[Sample], models: Models,
     """Every pending contestant x task x length; while ``peer`` (the kvpress peer) runs beside, on
     ``config.threads`` cores, then on the peer's cores too."""
     path = config.output_dir / "answers.jsonl"
-    done = finished(read_rows(path))
+    done = finished(read_jsonl(path))
     todo = [(cell, [c for c in config.contestants if (c["name"], cell[0].task, cell[0].length) not in done
                     and cell[0].length in c.get("lengths", [cell[0].length])]) for cell in cells(samples)]
     todo = [(cell, pending) for cell, pending in todo if pending]
+    by_name = {c["name"]: c for c in config.contestants}
     bar = tqdm(todo, desc="zoo eval: answers", unit="cell")
     for cell, pending in bar:
         if peer is not None and peer.poll() is not None:  # the peer is done: its cores are free
@@ -116,7 +113,7 @@ def run_answers(config: EvalConfig, samples: list[Sample], models: Models,
         bar.set_postfix_str(f"{cell[0].task} {cell[0].length}: {len(pending)} contestants")
 
         def write(row: dict) -> None:
-            append_row(path, row)
+            record(path, row, by_name[row["contestant"]])
             shown = {k: row.get(k) for k in ("contestant", "task", "length", "score", "n", "error") if k in row}
             bar.write(json.dumps(shown))
 
@@ -137,7 +134,7 @@ def run_perplexity(config: EvalConfig, models: Models) -> None:
     if not settings:
         return
     path = config.output_dir / "perplexity.jsonl"
-    done = finished(read_rows(path))
+    done = finished(read_jsonl(path))
     for length in settings.get("lengths", config.lengths):
         for contestant in tqdm(ppl_contestants(config), desc=f"zoo eval: perplexity {length}", unit="contestant"):
             if (contestant["name"], "perplexity", length) in done:
@@ -149,7 +146,7 @@ def run_perplexity(config: EvalConfig, models: Models) -> None:
             except Exception as exc:  # recorded, the run goes on
                 row = {"contestant": contestant["name"], "task": "perplexity", "length": length,
                        "error": f"{type(exc).__name__}: {exc}"}
-            append_row(path, row)
+            record(path, row, contestant)
 
 
 def run_speed(config: EvalConfig) -> None:
@@ -157,7 +154,7 @@ def run_speed(config: EvalConfig) -> None:
     if not settings:
         return
     path = config.output_dir / "speed.jsonl"
-    done = {(r["contestant"], r["length"]) for r in read_rows(path) if "error" not in r}
+    done = {(r["contestant"], r["length"]) for r in read_jsonl(path) if "error" not in r}
     names = settings.get("contestants")
     for length in settings.get("lengths", config.lengths[-1:]):
         chosen = [c for c in config.contestants if names is None or c["name"] in names]
@@ -168,7 +165,7 @@ def run_speed(config: EvalConfig) -> None:
                        "new_tokens": settings.get("new_tokens", 16), "rounds": settings.get("rounds", 3),
                        "threads": settings.get("threads", config.threads), "device": config.device,
                        "dtype": config.dtype}
-            append_row(path, measure_in_process(setting))
+            record(path, measure_in_process(setting), contestant)
 
 
 def peer_command(config: EvalConfig) -> list[str] | None:
@@ -177,7 +174,7 @@ def peer_command(config: EvalConfig) -> list[str] | None:
     if not settings:
         return None
     command = [str(Path(settings.get("python", ".venv-kvpress/bin/python"))), str(PEER), "--eval",
-               str(config.output_dir), "--model", str(settings.get("model_folder") or _model_folder(config.model)),
+               str(config.output_dir), "--model", str(settings.get("model_folder") or model_path(config.model)),
                "--threads", str(settings.get("threads", config.threads)),
                "--budgets", *map(str, settings.get("budgets", [0.5, 0.25, 0.1]))]
     if settings.get("decoding_budgets"):
@@ -187,10 +184,6 @@ def peer_command(config: EvalConfig) -> list[str] | None:
     if config.batch:
         command += ["--batch", str(config.batch)]
     return command
-
-
-def _model_folder(name: str) -> str:
-    return str(smollm2_folder()) if name == "smollm2" else name
 
 
 def start_peer(config: EvalConfig) -> subprocess.Popen | None:
@@ -214,7 +207,10 @@ def run(config: EvalConfig, *, resume: bool = True, dry_run: bool = False, stage
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(config.threads)
     models = Models(config)
-    model, tokenizer = models({"family": "full"}) if not dry_run else (None, _tokenizer(config.model))
+    if dry_run:
+        model, tokenizer = None, AutoTokenizer.from_pretrained(model_path(config.model))
+    else:
+        model, tokenizer = models({"family": "full"})
     samples = build_samples(config, tokenizer)
     if dry_run:
         print(describe_plan(config, samples))
@@ -239,10 +235,6 @@ def run(config: EvalConfig, *, resume: bool = True, dry_run: bool = False, stage
     if "report" in wanted:
         write_eval_report(out)
     return out
-
-
-def _tokenizer(name: str):
-    return AutoTokenizer.from_pretrained(smollm2_folder() if name == "smollm2" else name)
 
 
 def describe_plan(config: EvalConfig, samples: list[Sample]) -> str:

@@ -7,12 +7,10 @@ median of every token gap. Cache bytes after the last turn; the process's peak R
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,24 +18,7 @@ import torch
 from zoo.bench.passkey import build_prompt
 from zoo.bench.timer import TokenClock, take_turns
 from zoo.eval.contestants import cache_bytes, configure_for, fresh_cache, load_model
-from zoo.reporting import describe_error, max_rss_bytes
-
-
-def reset_peak_rss() -> None:
-    """Start this process's peak RSS afresh: Linux carries the parent's high-water mark across fork and exec, so
-    a process started by a large one reports the parent's peak (``echo 5 > /proc/self/clear_refs`` resets it)."""
-    with contextlib.suppress(OSError):
-        Path("/proc/self/clear_refs").write_text("5")
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak RSS since :func:`reset_peak_rss` (``VmHWM``; elsewhere ``ru_maxrss``)."""
-    status = Path("/proc/self/status")
-    if status.exists():
-        for line in status.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return max_rss_bytes()
+from zoo.reporting import describe_error, peak_rss_bytes, reset_peak_rss
 
 
 def measure(setting: dict[str, Any]) -> dict[str, Any]:

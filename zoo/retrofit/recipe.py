@@ -6,6 +6,9 @@ a card; ``zoo push FOLDER --repo_id ...``).
 
 Stage 1 resumes: a finished stage 1 whose settings match is read back (``stage1/transfer_map.json`` and
 ``stage1/transferred.safetensors``), so new layouts cost no new transfer. Layout folders that hold a model are kept.
+
+The records (``retrofit.json``, each layout's ``stage2.yaml`` and ``retrofit.json``) name paths relative to the run
+folder (``output_dir``), so a run folder can move; stage 2's teacher is named as the config names its model.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import resource
 import subprocess
 import sys
 import tempfile
@@ -29,10 +31,10 @@ from transformers import AutoModelForCausalLM
 
 from zoo.data.gutenberg import build_lm
 from zoo.data.lm import spread_windows
-from zoo.data.pretrained import smollm2_folder
-from zoo.eval.contestants import load_model
+from zoo.eval.contestants import load_model, model_path
 from zoo.plug.install import configure
 from zoo.plug.weights import attention_modules
+from zoo.reporting import REPOSITORY, max_rss_bytes, relative_path
 from zoo.retrofit import report
 from zoo.retrofit.capture import capture
 from zoo.retrofit.config import STAGE2_OWN, RetrofitConfig
@@ -50,16 +52,17 @@ from zoo.retrofit.selection import (
 from zoo.retrofit.transfer import OwnStage, train_layer
 
 logger = logging.getLogger("zoo.retrofit")
+STAGE2_HEADER = ("# Stage 2 of a retrofit, as the fine-tune recipe's config: paths relative to the run folder, the\n"
+                 "# teacher as the retrofit config names its model; the retrofit passes --output_dir,\n"
+                 "# --model_name_or_path and --distill_from resolved on the command line.\n")
 DEFAULT_STAGE2 = {"task": "gutenberg_lm", "max_length": 2048, "max_steps": 40, "learning_rate": 1e-4,
                   "per_device_train_batch_size": 1, "save_strategy": "no", "logging_steps": 5,
                   "generate_new_tokens": 0, "distill_weight": 0.5, "trainable": "attention"}
 
 
-def base_model_path(name: str) -> str:
-    """A path or Hub id ``from_pretrained`` reads for the config's ``model`` (``smollm2``: its converted folder)."""
-    if name == "smollm2":
-        return str(smollm2_folder())
-    return name
+def recorded(cfg: RetrofitConfig, path: str | Path) -> str:
+    """``path`` as the run's records name it: relative to the run folder (:func:`zoo.reporting.relative_path`)."""
+    return relative_path(path, cfg.output_dir)
 
 
 def book_sequences(tokenizer, split: str, length: int, count: int) -> torch.Tensor:
@@ -78,10 +81,6 @@ def fingerprint(cfg: RetrofitConfig) -> str:
     if cfg.stage is not None:
         keys["stage"] = cfg.stage_entry
     return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def stage1(cfg: RetrofitConfig, model, tokenizer) -> tuple[dict, dict, dict]:
@@ -137,7 +136,7 @@ def stage1(cfg: RetrofitConfig, model, tokenizer) -> tuple[dict, dict, dict]:
         "train_tokens": int(train.numel()), "held_out_tokens": int(held_out.numel()),
         "seconds": {"capture": capture_seconds, "transfer": transfer_seconds,
                     "swap_kl": time.perf_counter() - started - capture_seconds - transfer_seconds},
-        "activations_disk_bytes": disk, "peak_rss_mb": peak_rss_mb(), "threads": torch.get_num_threads(),
+        "activations_disk_bytes": disk, "peak_rss_mb": max_rss_bytes() / 2**20, "threads": torch.get_num_threads(),
     }
     folder.mkdir(parents=True, exist_ok=True)
     save_file(flatten(transferred), states_path)
@@ -184,41 +183,44 @@ def build_layout(cfg: RetrofitConfig, layout: dict, model, tokenizer, stage: dic
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return {"name": layout["name"], "layout": layout, "kept_full": kept, "converted": converted, "layers": layers,
-            "stage1": {"folder": str(folder), "held_out_kl": score["kl"], "held_out_perplexity": score["perplexity"],
-                       "tokens": done["tokens"]}}
+            "stage1": {"folder": recorded(cfg, folder), "held_out_kl": score["kl"],
+                       "held_out_perplexity": score["perplexity"], "tokens": done["tokens"]}}
 
 
 def stage2(cfg: RetrofitConfig, record: dict) -> Path:
     """Fine-tune one layout's stage-1 model (the fine-tune recipe in a process of its own); returns its folder."""
     settings = {**DEFAULT_STAGE2, **{k: v for k, v in cfg.stage2.items() if k not in STAGE2_OWN}}
     out = cfg.output_dir / record["name"] / "stage2"
-    settings.update(output_dir=str(out), model_name_or_path=record["stage1"]["folder"], variant="hybrid",
+    settings.update(output_dir=recorded(cfg, out), model_name_or_path=record["stage1"]["folder"], variant="hybrid",
                     variant_params={"layers": record["layers"]}, seed=cfg.seed)
     if settings.get("distill_weight", 0) > 0:
-        settings.setdefault("distill_from", base_model_path(cfg.model))
+        settings.setdefault("distill_from", cfg.model)
     path = cfg.output_dir / record["name"] / "stage2.yaml"
     if (out / "results.json").is_file() and path.is_file() and yaml.safe_load(path.read_text()) == settings:
         logger.info("retrofit: stage 2 of %s read back from %s", record["name"], out)
-        return read_stage2(record, out, settings, None)
-    path.write_text(yaml.safe_dump(settings, sort_keys=False))
+        return read_stage2(cfg, record, out, settings, None)
+    path.write_text(STAGE2_HEADER + yaml.safe_dump(settings, sort_keys=False))
+    paths = ["--output_dir", str(out), "--model_name_or_path", str(cfg.output_dir / settings["model_name_or_path"])]
+    if settings.get("distill_from"):
+        paths += ["--distill_from", model_path(settings["distill_from"])]
     processes = int(cfg.stage2.get("processes", 1))
-    command = [sys.executable, "-m", "zoo.training.finetune", str(path)]
+    command = [sys.executable, "-m", "zoo.training.finetune", str(path), *paths]
     if processes > 1:
         command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
                    str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                   "-m", "zoo.training.finetune", str(path)]
+                   "-m", "zoo.training.finetune", str(path), *paths]
     if out.is_dir():
         command += ["--overwrite_output_dir", "true"]  # an unfinished or differently set stage 2: run again
     started = time.perf_counter()
     subprocess.run(command, check=True)
-    return read_stage2(record, out, settings, time.perf_counter() - started)
+    return read_stage2(cfg, record, out, settings, time.perf_counter() - started)
 
 
-def read_stage2(record: dict, out: Path, settings: dict, seconds: float | None) -> Path:
+def read_stage2(cfg: RetrofitConfig, record: dict, out: Path, settings: dict, seconds: float | None) -> Path:
     """Fill ``record["stage2"]`` from a finished fine-tune's folder (``seconds``: None when read back)."""
     results = json.loads((out / "results.json").read_text())
     state = json.loads((out / "trainer_state.json").read_text())
-    record["stage2"] = {"folder": str(out), "seconds": results.get("wall_time_seconds", seconds),
+    record["stage2"] = {"folder": recorded(cfg, out), "seconds": results.get("wall_time_seconds", seconds),
                         "processes": results.get("num_processes"), "tokens": state.get("num_input_tokens_seen"),
                         "settings": settings, "test_perplexity": (results.get("metrics") or {}).get("eval_perplexity")}
     return out
@@ -229,7 +231,7 @@ def evaluate(cfg: RetrofitConfig, records: list[dict]) -> Path:
     source = yaml.safe_load(Path(cfg.eval["config"]).read_text())
     source["output_dir"] = str(cfg.output_dir / "eval")
     source["contestants"] = list(source["contestants"]) + [
-        {"family": "folder", "path": record["model_folder"], "name": f"retrofit {record['name']}"}
+        {"family": "folder", "path": str(cfg.output_dir / record["model_folder"]), "name": f"retrofit {record['name']}"}
         for record in records]
     for key in ("perplexity", "speed"):
         if source.get(key) and "contestants" in source[key]:
@@ -256,20 +258,20 @@ def run(cfg: RetrofitConfig, stages: tuple[str, ...] = ("stage1", "stage2", "eva
     records = [build_layout(cfg, layout, model, tokenizer, stage, held_out, teacher) for layout in cfg.layouts]
     del model
     for record in records:
-        folder = Path(record["stage1"]["folder"])
+        folder = cfg.output_dir / record["stage1"]["folder"]
         if cfg.stage2 is not None and "stage2" in stages:
             folder = stage2(cfg, record)
             tuned = AutoModelForCausalLM.from_pretrained(folder).to(cfg.device or "cpu")
             record["stage2"].update({f"held_out_{k}": v for k, v in divergence(tuned, held_out, teacher).items()})
             del tuned
-        record["model_folder"] = str(folder)
-    summary = {"base_model": cfg.model, "variant": cfg.entry, "config": cfg.source, "stage1": done,
-               "layouts": records}
+        record["model_folder"] = recorded(cfg, folder)
+    config = {**cfg.source, "output_dir": relative_path(cfg.output_dir, REPOSITORY, root=cfg.output_dir)}
+    summary = {"base_model": cfg.model, "variant": cfg.entry, "config": config, "stage1": done, "layouts": records}
     if cfg.eval is not None and "eval" in stages:
-        summary["eval_folder"] = str(evaluate(cfg, records))
+        summary["eval_folder"] = recorded(cfg, evaluate(cfg, records))
     summary["seconds"] = time.perf_counter() - started
     for record in records:
-        report.write_model_folder(summary, record)
+        report.write_model_folder(summary, record, cfg.output_dir)
     (cfg.output_dir / "retrofit.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     report.write_summary(summary, cfg.output_dir)
     return summary

@@ -11,23 +11,23 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from zoo.eval.contestants import hub_id
+from zoo.reporting import markdown_table, pyplot, read_jsonl, save_figure
+
 
 def transfer_table(done: dict) -> str:
     """One row per layer; with the variant's own stage (DSA), its measure before and after too."""
     measure = next((row["measure"] for row in done["layers"] if "measure" in row), None)
-    extra = f" {measure} before | {measure} after |" if measure else ""
-    lines = [
-        f"| layer | error before | error after | after / before |{extra} swap KL | trained parameters | seconds |",
-        "|---:|---:|---:|---:|" + "---:|" * (2 * bool(measure)) + "---:|---:|---:|",
-    ]
+    header = ["layer", "error before", "error after", "after / before",
+              *([f"{measure} before", f"{measure} after"] if measure else []), "swap KL", "trained parameters",
+              "seconds"]
+    rows = []
     for row in done["layers"]:
         ratio = row["error_after"] / row["error_before"] if row["error_before"] else float("nan")
-        measured = f" {row['measure_before']:.4g} | {row['measure_after']:.4g} |" if measure else ""
-        lines.append(
-            f"| {row['layer']} | {row['error_before']:.3g} | {row['error_after']:.3g} | {ratio:.3f} |"
-            f"{measured} {row['swap_kl']:.4f} | {row['trained_parameters']:,} | {row['seconds']:.0f} |"
-        )
-    return "\n".join(lines)
+        measured = [f"{row['measure_before']:.4g}", f"{row['measure_after']:.4g}"] if measure else []
+        rows.append([row["layer"], f"{row['error_before']:.3g}", f"{row['error_after']:.3g}", f"{ratio:.3f}",
+                     *measured, f"{row['swap_kl']:.4f}", f"{row['trained_parameters']:,}", f"{row['seconds']:.0f}"])
+    return "\n".join(markdown_table(header, rows, "r" * len(header)))
 
 
 def write_transfer_map(done: dict, folder: Path) -> None:
@@ -51,13 +51,8 @@ def write_transfer_map(done: dict, folder: Path) -> None:
 
 
 def plot_transfer_map(done: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     layers = [row["layer"] for row in done["layers"]]
-    figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
+    figure, (top, bottom) = pyplot().subplots(2, 1, figsize=(8, 5.5), sharex=True)
     top.semilogy(layers, [row["error_before"] for row in done["layers"]], "o-", label="before transfer")
     top.semilogy(layers, [row["error_after"] for row in done["layers"]], "o-", label="after transfer")
     top.set_ylabel("normalized output error")
@@ -66,70 +61,60 @@ def plot_transfer_map(done: dict, path: Path) -> None:
     bottom.set_ylabel("swap KL (nats / token)")
     bottom.set_xlabel("layer")
     top.set_title(f"{done['variant']['variant']}: attention transfer per layer")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save_figure(figure, path, dpi=110)
 
 
-def eval_rows(summary: dict) -> list[dict]:
-    """The ``zoo eval`` headline rows of the run (none without an eval)."""
+def eval_rows(summary: dict, out: Path) -> list[dict]:
+    """The ``zoo eval`` headline rows of the run in ``out`` (none without an eval)."""
     folder = summary.get("eval_folder")
-    path = Path(folder) / "results.json" if folder else None
+    path = out / folder / "results.json" if folder else None
     if path is None or not path.is_file():
         return []
     return json.loads(path.read_text())["headline"]
 
 
 def layouts_table(summary: dict) -> str:
-    lines = ["| layout | full-attention layers | converted | held-out KL / ppl, stage 1 | stage 2 | "
-             "stage 1 tokens | stage 2 tokens | stage 2 min |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    header = ["layout", "full-attention layers", "converted", "held-out KL / ppl, stage 1", "stage 2",
+              "stage 1 tokens", "stage 2 tokens", "stage 2 min"]
+    rows = []
     for record in summary["layouts"]:
         one, two = record["stage1"], record.get("stage2") or {}
         after = f"{two['held_out_kl']:.3f} / {two['held_out_perplexity']:.2f}" if "held_out_kl" in two else "–"
         tokens = f"{two['tokens']:,}" if two.get("tokens") else "–"
         minutes = f"{two['seconds'] / 60:.1f}" if two.get("seconds") else "–"
-        lines.append(f"| {record['name']} | {record['kept_full']} | {len(record['converted'])} | "
-                     f"{one['held_out_kl']:.3f} / {one['held_out_perplexity']:.2f} | {after} | "
-                     f"{one['tokens']:,} | {tokens} | {minutes} |")
-    return "\n".join(lines)
+        rows.append([record["name"], record["kept_full"], len(record["converted"]),
+                     f"{one['held_out_kl']:.3f} / {one['held_out_perplexity']:.2f}", after, f"{one['tokens']:,}",
+                     tokens, minutes])
+    return "\n".join(markdown_table(header, rows, "ll" + "r" * 6))
 
 
 def eval_table(rows: list[dict]) -> str:
     if not rows:
         return "(no zoo eval in this run)"
     lengths = sorted({int(k[4:]) for row in rows for k in row if k.startswith("avg_")})
-    head = "| contestant | " + " | ".join(f"avg {n}" for n in lengths) + " | score [95% CI] | cache bytes |"
-    lines = [head, "|---|" + "---:|" * (len(lengths) + 2)]
-    for row in rows:
-        cells = " | ".join(f"{row[f'avg_{n}']:.2f}" if row.get(f"avg_{n}") is not None else "–" for n in lengths)
-        cache = f"{row['cache_bytes']:,}" if row.get("cache_bytes") else "–"
-        lines.append(f"| {row['contestant']} | {cells} | {row['score']:.2f} [{row['low']:.2f}, {row['high']:.2f}] "
-                     f"| {cache} |")
-    return "\n".join(lines)
+    header = ["contestant", *[f"avg {n}" for n in lengths], "score [95% CI]", "cache bytes"]
+    cells = [[row["contestant"], *[f"{row[f'avg_{n}']:.2f}" if row.get(f"avg_{n}") is not None else "–"
+                                   for n in lengths],
+              f"{row['score']:.2f} [{row['low']:.2f}, {row['high']:.2f}]",
+              f"{row['cache_bytes']:,}" if row.get("cache_bytes") else "–"] for row in rows]
+    return "\n".join(markdown_table(header, cells, "l" + "r" * (len(header) - 1)))
 
 
-def stage2_curve(record: dict) -> list[tuple[int, float]]:
-    """``(tokens, validation perplexity)`` of a layout's stage 2, from its training log (the log's last evaluation is
-    the final one on the test split, left out)."""
-    log = Path((record.get("stage2") or {}).get("folder", "")) / "train_log.jsonl"
-    if not log.is_file():
-        return []
-    rows = [json.loads(line) for line in log.read_text().splitlines()]
+def stage2_curve(record: dict, out: Path) -> list[tuple[int, float]]:
+    """``(tokens, validation perplexity)`` of a layout's stage 2 in the run folder ``out``, from its training log
+    (the log's last evaluation is the final one on the test split, left out)."""
+    folder = (record.get("stage2") or {}).get("folder")
+    rows = read_jsonl(out / folder / "train_log.jsonl") if folder else []
     evaluations = [row for row in rows if "eval_perplexity" in row][:-1]
     return [(int(row["num_input_tokens_seen"]), float(row["eval_perplexity"])) for row in evaluations]
 
 
 def plot_stage2_curves(summary: dict, path: Path) -> bool:
     """Validation perplexity against stage-2 tokens, one line per layout; False when no layout has a curve."""
-    curves = {record["name"]: stage2_curve(record) for record in summary["layouts"]}
+    curves = {record["name"]: stage2_curve(record, path.parent) for record in summary["layouts"]}
     if not any(len(curve) > 1 for curve in curves.values()):
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 4))
+    figure, axes = pyplot().subplots(figsize=(7, 4))
     for name, curve in curves.items():
         if curve:
             axes.plot([t for t, _ in curve], [p for _, p in curve], "o-", label=name)
@@ -140,9 +125,7 @@ def plot_stage2_curves(summary: dict, path: Path) -> bool:
     axes.set_title(f"{summary['variant']['variant']}: stage 2 (original: "
                    f"{summary['stage1']['original_held_out_perplexity']:.1f} on the held-out windows)")
     axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save_figure(figure, path, dpi=110)
     return True
 
 
@@ -159,20 +142,22 @@ def write_summary(summary: dict, out: Path) -> None:
     curves = "![stage 2](stage2_curves.png)\n\n" if plot_stage2_curves(summary, out / "stage2_curves.png") else ""
     text = (f"# Retrofit of {summary['base_model']} with {summary['variant']['variant']}\n\n"
             f"{stage_minutes(summary)}\n\n## Layouts\n\n{layouts_table(summary)}\n\n{curves}"
-            f"## zoo eval\n\n{eval_table(eval_rows(summary))}\n\n## Transfer map\n\n{transfer_table(done)}\n")
+            f"## zoo eval\n\n{eval_table(eval_rows(summary, out))}\n\n## Transfer map\n\n{transfer_table(done)}\n")
     (out / "results.md").write_text(text)
 
 
-def write_model_folder(summary: dict, record: dict) -> None:
-    """``retrofit.json`` and ``README.md`` (the card) in the layout's final model folder."""
-    folder = Path(record["model_folder"])
+def write_model_folder(summary: dict, record: dict, out: Path) -> None:
+    """``retrofit.json`` and ``README.md`` (the card) in the layout's final model folder (paths relative to the run
+    folder ``out``)."""
+    folder = out / record["model_folder"]
     own = {"base_model": summary["base_model"], "variant": summary["variant"], "layout": record,
            "transfer_map": summary["stage1"]}
     (folder / "retrofit.json").write_text(json.dumps(own, indent=2, default=str) + "\n")
     name = f"retrofit {record['name']}"
-    rows = [row for row in eval_rows(summary) if row["contestant"] in (name, "full cache")]
+    rows = [row for row in eval_rows(summary, out) if row["contestant"] == name
+            or (row.get("source", "zoo") == "zoo" and row.get("family") == "full")]
     tags = ["attention-zoo", "retrofit", summary["variant"]["variant"]]
-    data = ModelCardData(base_model=_hub_base(summary["base_model"]), library_name="transformers",
+    data = ModelCardData(base_model=hub_id(summary["base_model"]), library_name="transformers",
                          pipeline_tag="text-generation", tags=tags)
     body = (f"# {folder.name}: {summary['base_model']} retrofitted with `{summary['variant']['variant']}`\n\n"
             f"Full attention (sdpa) in layers {record['kept_full']}; `{summary['variant']['variant']}` "
@@ -180,14 +165,11 @@ def write_model_folder(summary: dict, record: dict) -> None:
             "retrofit recipe: attention transfer per layer (stage 1"
             + (", then fine-tuning with distillation, stage 2" if record.get("stage2") else "") + ").\n\n"
             "```python\nimport zoo, transformers\n"
-            f"model = transformers.AutoModelForCausalLM.from_pretrained({str(folder)!r})\n```\n\n"
+            f"model = transformers.AutoModelForCausalLM.from_pretrained({record['model_folder']!r})  "
+            "# in the run folder; or this folder's Hub id\n```\n\n"
             f"## Layout\n\n{layouts_table({**summary, 'layouts': [record]})}\n\n"
             f"## zoo eval\n\n{eval_table(rows)}\n\n## Transfer map\n\n{transfer_table(summary['stage1'])}\n")
     ModelCard(f"---\n{data.to_yaml()}\n---\n{body}").save(folder / "README.md")
-
-
-def _hub_base(name: str) -> str:
-    return {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}.get(name, name)
 
 
 def describe(summary: dict[str, Any]) -> str:

@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from zoo.reporting import pyplot, save_figure, write_csv
+from zoo.reporting import REPOSITORY, pyplot, read_jsonl, relative_path, save_figure, write_csv
 from zoo.training.compare_plan import Outcome, Run
 from zoo.training.compare_sweep import EDGE_NOTE, sweep_lines
 from zoo.training.kinds import KINDS
@@ -111,10 +111,7 @@ def mean_loss_by_position(runs: list[list[dict]]) -> list[dict] | None:
 def training_loss(run_dir: Path) -> list[tuple[int, float]]:
     """(step, training loss) at each logging step, from the run's ``train_log.jsonl`` (:class:`~.results.JsonlLog`;
     empty when the run logged none). The curve says whether a run that scores at chance was still learning."""
-    log = Path(run_dir) / "train_log.jsonl"
-    if not log.is_file():
-        return []
-    records = (json.loads(line) for line in log.read_text().splitlines() if line.strip())
+    records = read_jsonl(Path(run_dir) / "train_log.jsonl")
     return [(r["step"], float(r["loss"])) for r in records if "loss" in r and "step" in r]
 
 
@@ -258,7 +255,10 @@ def csv_row(row: dict) -> dict:
 def write_report(cfg: dict, rows: list[dict], out: Path, config_path: str, minutes: float,
                  sweeps: list[dict] | None = None) -> list[dict]:
     summary = summarize(rows, sweeps)
-    record = {"config": cfg, "packages": package_versions(), "runs": rows, "summary": summary, "sweeps": sweeps or []}
+    rows = [{**row, "run_dir": relative_path(row["run_dir"], out)} for row in rows]  # the folder may move
+    recorded = {**cfg, "output_dir": relative_path(out, REPOSITORY, root=out)}  # in the repository, else "."
+    record = {"config": recorded, "packages": package_versions(), "runs": rows, "summary": summary,
+              "sweeps": sweeps or []}
     (out / "results.json").write_text(json.dumps(record, indent=2) + "\n")
     write_csv(out / "results.csv", [csv_row(r) for r in rows], list(dict.fromkeys(k for r in rows for k in r)))
     write_plots(summary, out)
