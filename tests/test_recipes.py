@@ -34,7 +34,7 @@ RESULTS_KEYS = {
     "task", "dataset", "variant", "variant_params", "variant_package", "variant_version", "model", "base_model",
     "model_type", "architecture", "max_length", "num_labels", "label_names", "num_processes", "seed", "metrics",
     "train_tokens_per_second", "eval_tokens_per_second", "peak_memory_mb", "wall_time_seconds", "train_examples",
-    "eval_examples", "max_steps", "num_train_epochs", "packages", "config", "distributed_type",
+    "eval_examples", "max_steps", "num_train_epochs", "packages", "numerics", "config", "distributed_type",
     "accelerate_distributed_type", "world_size", "parameters", "training_curves",
 }  # fmt: skip
 # 40 train examples, batch 8: 5 steps per epoch, so 8 steps cross an epoch and a resume at step 4 lands mid-epoch.
