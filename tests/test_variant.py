@@ -4,8 +4,8 @@ the member and the fix), and ``renamed_params`` maps old parameter names with on
 from __future__ import annotations
 
 import inspect
-import re
 import logging
+import re
 
 import pytest
 import transformers
