@@ -37,6 +37,15 @@ sys.path.insert(0, str(PLUGIN_TARGET))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGIN_TARGET), os.environ.get("PYTHONPATH")]))
 
 
+def outputs_and_gradients(attention, inputs, grad_out) -> list:
+    """``attention(*inputs)`` and the gradients of ``(out * grad_out).sum()`` for each input, on fresh leaves."""
+    import torch
+
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    out = attention(*leaves)
+    return [out.detach(), *torch.autograd.grad(out, leaves, grad_out)]
+
+
 @pytest.fixture(scope="session")
 def tiny_smollm2_llama(tmp_path_factory):
     """A factory: a tiny random Llama (hidden 64, ``layers`` layers) with SmolLM2's tokenizer, saved to a folder."""

@@ -18,11 +18,13 @@ variant classes' ``params``:
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from zoo import docs_tables
 from zoo.docs_tables import README_END, README_START
@@ -123,3 +125,21 @@ def test_user_pages_cite_no_internal_issue_numbers():
     found = [f"{page.relative_to(ROOT)}:{n}: {line.strip()}" for page in hand_written_pages()
              for n, line in enumerate(page.read_text().splitlines(), 1) if pattern.search(line)]
     assert not found, "\n".join(found)
+
+
+def test_main_job_rows_come_from_the_latest_record_and_link_its_page():
+    """Each ``<!-- main-job: ENTRY -->`` names an entry of the record, whose page exists; the record is the
+    main job's own config (its entries, by name)."""
+    marker = re.compile(r"<!-- main-job: ([\w.+-]+) -->")
+    markers = {m for page in hand_written_pages() for m in marker.findall(page.read_text())}
+    assert markers, "the variant pages quote the main job through markers"
+    for entry in markers:
+        row = docs_tables.main_job_row(entry, "")
+        assert f"| {entry} | " in row and "](../benchmarks/" in row
+    assert (ROOT / "docs" / docs_tables.MAIN_JOB_PAGE).exists()
+    config = yaml.safe_load((ROOT / "recipes" / "configs" / "compare_default.yaml").read_text())
+    planned = {entry.get("name", entry["variant"]) for entry in config["variants"]}
+    recorded = {row["name"] for row in json.loads(docs_tables.MAIN_JOB.read_text())["summary"]}
+    assert planned == recorded, f"the main job's record has {sorted(recorded)}, its config {sorted(planned)}"
+    with pytest.raises(KeyError, match="has no entry 'nope'"):
+        docs_tables.main_job_row("nope")

@@ -4,8 +4,9 @@ Three uses of the same functions:
 
 * a MkDocs hook (``hooks:`` in mkdocs.yml): `on_page_markdown` replaces markers in a page with tables at build time:
   ``<!-- params: NAME -->`` (a variant page: its kind, modes, complexity and parameter table),
-  ``<!-- variants-table -->`` (the variant index, one table per family) and ``<!-- variants-by-family -->`` (the home
-  page: the variants of each family on one line);
+  ``<!-- variants-table -->`` (the variant index, one table per family), ``<!-- variants-by-family -->`` (the home
+  page: the variants of each family on one line) and ``<!-- main-job: ENTRY -->`` (an entry's row of the latest main
+  job, read from its committed record `MAIN_JOB`);
 * the README, which MkDocs does not build: its table lies between ``<!-- variants-table:start -->`` and
   ``<!-- variants-table:end -->``; ``python -m zoo.docs_tables --readme`` rewrites it, ``tests/test_docs.py`` fails
   when it differs;
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import posixpath
 import re
 import sys
@@ -34,6 +36,9 @@ from zoo.variant import Param, Variant
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 README_START, README_END = "<!-- variants-table:start -->", "<!-- variants-table:end -->"
+# The latest fresh-clone run of the main job (recipes/configs/compare_default.yaml): the one record pages quote.
+MAIN_JOB = ROOT / "results" / "recall" / "main_job_2026-12-05" / "results.json"
+MAIN_JOB_PAGE = "benchmarks/2026-12-05-main-job.md"
 
 FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "Exact patterns": (
@@ -217,10 +222,27 @@ def readme_table() -> str:
     return _table(["family", "variant", "what it is", "paper"], rows)
 
 
+def main_job_row(entry: str, prefix: str = "") -> str:
+    """One entry of the main job's record: accuracy over seeds, accuracy by query-key distance, decoding state; a
+    link to the run's page (``prefix`` leads from the page to docs/variants/)."""
+    summary = {row["name"]: row for row in json.loads(MAIN_JOB.read_text())["summary"]}
+    if entry not in summary:
+        raise KeyError(f"zoo.docs_tables: the main job ({MAIN_JOB.relative_to(ROOT)}) has no entry {entry!r}; "
+                       f"it has {sorted(summary)}")
+    row = summary[entry]
+    buckets = [b for b in row["accuracy_by_distance"] if b["answers"]]
+    cells = [entry, f"{row['eval_accuracy']:.3f} ± {row['eval_accuracy_std']:.3f}",
+             *(f"{b['accuracy']:.3f}" for b in buckets), f"{row['decoding_state_bytes']:,.0f} B"]
+    header = ["entry", f"accuracy ({row['seeds_ok']} seeds)", *(b["bucket"] for b in buckets), "decoding state"]
+    page = posixpath.normpath(posixpath.join(prefix, "..", MAIN_JOB_PAGE))
+    return (_table(header, [cells], ["---"] + ["---:"] * (len(header) - 1))
+            + f"\n\nThe whole table, its seeds and the machine: [the main job]({page}).")
+
+
 # ------------------------------------------------------------------------------------------------------
 # the MkDocs hook and the README
 
-MARKER = re.compile(r"<!-- (params: (?P<name>\w+)|variants-table|variants-by-family) -->")
+MARKER = re.compile(r"<!-- (params: (?P<name>\w+)|main-job: (?P<entry>[\w.+-]+)|variants-table|variants-by-family) -->")
 
 
 def expand(markdown: str, prefix: str) -> str:
@@ -228,6 +250,8 @@ def expand(markdown: str, prefix: str) -> str:
     def table(match: re.Match) -> str:
         if match.group("name"):
             return params_table(match.group("name"))
+        if match.group("entry"):
+            return main_job_row(match.group("entry"), prefix)
         return variants_table(prefix) if match.group(1) == "variants-table" else family_list(prefix)
 
     return MARKER.sub(table, markdown)

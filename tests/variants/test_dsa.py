@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from conftest import outputs_and_gradients
 from zoo.variants.dsa import DSAAttention, DSAIndexer, DSALayer, indexer_losses
 
 import zoo
@@ -108,12 +109,6 @@ def test_top_k_at_least_the_length_is_causal_dense_attention(padding):
     if mask is not None:
         want = want.masked_fill(~mask[:, None, :, None], 0.0)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
-
-
-def outputs_and_gradients(attention, inputs, grad_out) -> list[torch.Tensor]:
-    leaves = [x.clone().requires_grad_() for x in inputs]
-    out = attention(*leaves)
-    return [out.detach(), *torch.autograd.grad(out, leaves, grad_out)]
 
 
 @pytest.mark.parametrize(("dtype", "padded", "chunks"),

@@ -158,21 +158,18 @@ def test_per_layer_window_list():
     assert not torch.allclose(outs[0], outs[1])
 
 
-def test_per_layer_windows_inside_bert():
-    def model(windows):
-        config = transformers.BertConfig(
-            vocab_size=64,
-            hidden_size=HIDDEN,
-            num_hidden_layers=2,
-            num_attention_heads=HEADS,
-            intermediate_size=64,
-            attention_probs_dropout_prob=0.0,
-        )
-        torch.manual_seed(0)
-        return transformers.AutoModel.from_config(zoo.configure(config, "longformer", window=windows)).eval()
+def tiny_longformer_bert(**params) -> transformers.PreTrainedModel:
+    """A 2-layer BERT on `longformer` with ``params``, the same weights for the same call (seed 0), in eval mode."""
+    config = transformers.BertConfig(vocab_size=64, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=HEADS,
+                                     intermediate_size=64, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    return transformers.AutoModel.from_config(zoo.configure(config, "longformer", **params)).eval()
 
+
+def test_per_layer_windows_inside_bert():
     ids = torch.randint(3, 64, (1, 80), generator=torch.Generator().manual_seed(0))
-    mixed, narrow = (model(w)(input_ids=ids, output_hidden_states=True).hidden_states for w in ([8, 32], [8, 8]))
+    mixed, narrow = (tiny_longformer_bert(window=w)(input_ids=ids, output_hidden_states=True).hidden_states
+                     for w in ([8, 32], [8, 8]))
     torch.testing.assert_close(mixed[1], narrow[1])  # layer 0 uses window 8 in both
     assert not torch.allclose(mixed[2], narrow[2])  # layer 1 uses 32 in the first
 
@@ -182,16 +179,7 @@ def test_per_layer_windows_inside_bert():
 
 
 def test_global_attention_mask_reaches_the_kernel_through_bert():
-    config = transformers.BertConfig(
-        vocab_size=64,
-        hidden_size=HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=HEADS,
-        intermediate_size=64,
-        attention_probs_dropout_prob=0.0,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModel.from_config(zoo.configure(config, "longformer", window=8, global_tokens=[])).eval()
+    model = tiny_longformer_bert(window=8, global_tokens=[])
     ids = torch.randint(3, 64, (2, 70), generator=torch.Generator().manual_seed(0))
     per_batch = torch.zeros(2, 70, dtype=torch.long)
     per_batch[0, 40] = 1  # a question token in the first row only
@@ -199,9 +187,7 @@ def test_global_attention_mask_reaches_the_kernel_through_bert():
     marked = model(input_ids=ids, global_attention_mask=per_batch).last_hidden_state
     assert not torch.allclose(marked[0], plain[0])
     torch.testing.assert_close(marked[1], plain[1])
-    as_param = zoo.configure(config, "longformer", window=8, global_tokens=[40])
-    torch.manual_seed(0)
-    fixed = transformers.AutoModel.from_config(as_param).eval()
+    fixed = tiny_longformer_bert(window=8, global_tokens=[40])
     torch.testing.assert_close(marked[0], fixed(input_ids=ids[:1]).last_hidden_state[0], atol=1e-5, rtol=1e-4)
 
 

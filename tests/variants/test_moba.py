@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from conftest import outputs_and_gradients
 from zoo.variants.moba import MoBAAttention, MoBALayer
 
 import zoo
@@ -113,12 +114,6 @@ def test_top_k_at_least_the_blocks_is_causal_dense_attention(padding):
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
     assert not torch.allclose(run_variant(MoBAAttention(block_size=block, top_k=1), q, k, v,
                                           make_call(True, mask, DIM)), want, atol=1e-3)
-
-
-def outputs_and_gradients(attention, inputs, grad_out) -> list[torch.Tensor]:
-    leaves = [x.clone().requires_grad_() for x in inputs]
-    out = attention(*leaves)
-    return [out.detach(), *torch.autograd.grad(out, leaves, grad_out)]
 
 
 @pytest.mark.parametrize(("dtype", "padded", "chunks"),
