@@ -9,15 +9,17 @@ builds: kvpress pins transformers<5.3, so it cannot run in the zoo's own environ
     .venv-kvpress/bin/python scripts/kvpress_peer.py --out results/bench/kv \
         --model ~/.cache/attention_zoo/models/smollm2-135m-instruct-q4_1-v1 --contexts 1024 --budgets 0.5 0.25 0.1
 
-Each press compresses the prompt once, at prefill (kvpress's forward hook, after each layer's full prefill),
-keeping ``budget`` of the keys (``compression_ratio = 1 - budget``); then greedy tokens from the compressed cache,
-at positions that continue from the tokens seen (a pruned cache is shorter). "SnapKV (no question)" compresses the
+Each press compresses the prompt once, at prefill (kvpress's forward hook, after each layer's full prefill), keeping
+``budget`` of the keys (``compression_ratio = 1 - budget``); then greedy tokens from the compressed cache, at
+positions that continue from the tokens seen (a pruned cache is shorter). "SnapKV (no question)" compresses the
 prompt without its question, which is then fed uncompressed. DecodingPress never compresses the prefill: it evicts
-down to ``int(budget * length)`` keys at every decoding step. With ``--eval`` (and ``--shared``) one prefill serves
-every press (:func:`run_shared`); a group's rows share its wall seconds. Eval rows hold the decoded ``outputs``
-only: the zoo scores them. Standalone: imports nothing from the zoo (its ``zoo/reporting.py``, standard library
-only, is loaded by path for JSON lines); torch, transformers and kvpress are imported only where kvpress is
-installed, so the pure functions (groups, pending jobs, rows) import anywhere (tests).
+down to ``int(budget * prompt length)`` keys at every decoding step. A sample's prompt length is ``len(ids)``, not
+its ``length`` (the cell key: RULER's own prompts are shorter, each its own); a batch holds prompts of one length.
+With ``--eval`` (and ``--shared``) one prefill serves every press (:func:`run_shared`); a group's rows share its
+wall seconds. Eval rows hold the decoded ``outputs`` only: the zoo scores them. Standalone: imports nothing from the
+zoo (its ``zoo/reporting.py``, standard library only, is loaded by path for JSON lines); torch, transformers and
+kvpress are imported only where kvpress is installed, so the pure functions (groups, pending jobs, rows) import
+anywhere (tests).
 """
 
 from __future__ import annotations
@@ -112,14 +114,33 @@ def group_samples(samples: list[dict], tasks: list[str] | None = None,
 
 
 def batches(samples: list[dict], size: int, by_question: bool = False) -> list[list[dict]]:
-    """Batches of ``size`` (0: all); ``by_question``: only samples of one ``question_tokens`` share a batch."""
-    if not by_question:
-        size = size or len(samples)
-        return [samples[i : i + size] for i in range(0, len(samples), size)]
-    parts: dict[int, list[dict]] = {}
+    """Batches of ``size`` (0: all) of one prompt length (``len(ids)``, so the ids stack without padding) and, with
+    ``by_question``, of one ``question_tokens``: the parts in the order of their first sample, each in its samples'
+    order (samples of one length and question: batches of the samples' order)."""
+    parts: dict[tuple, list[dict]] = {}
     for sample in samples:
-        parts.setdefault(sample["question_tokens"], []).append(sample)
-    return [batch for part in parts.values() for batch in batches(part, size)]
+        parts.setdefault((len(sample["ids"]), sample["question_tokens"] if by_question else None), []).append(sample)
+    return [part[i : i + (size or len(part))] for part in parts.values()
+            for i in range(0, len(part), size or len(part))]
+
+
+def prompt_length(part: list[dict]) -> int:
+    """The prompt length of a batch: its samples' one ``len(ids)``."""
+    lengths = {len(s["ids"]) for s in part}
+    if len(lengths) != 1:
+        raise ValueError(f"a batch of prompt lengths {sorted(lengths)}: batches() gives one length per batch")
+    return lengths.pop()
+
+
+def kept_keys(budget: float, prompt_len: int) -> int:
+    """The keys DecodingPress keeps of a prompt of ``prompt_len`` tokens (``len(ids)``, not the cell's length)."""
+    return int(budget * prompt_len)
+
+
+def by_index(samples: list[dict], outputs: list) -> tuple[list[dict], list]:
+    """Samples and their outputs, paired, in the samples' index order (batches by prompt length reorder them)."""
+    pairs = sorted(zip(samples, outputs, strict=True), key=lambda pair: pair[0]["index"])
+    return [s for s, _ in pairs], [o for _, o in pairs]
 
 
 def finished(rows: list[dict]) -> set[tuple[str, str, int]]:
@@ -146,7 +167,9 @@ def fields(press: str, budget: float) -> dict:
 
 def eval_row(press: str, budget: float, samples: list[dict], outputs: list[str], nbytes: int, seconds: float,
              threads: int, versions: dict) -> dict:
-    """One row of RUN_DIR/kvpress.jsonl; ``nbytes``: the cache bytes of all samples (the row has per sample)."""
+    """One row of RUN_DIR/kvpress.jsonl; ``nbytes``: the cache bytes of all samples (the row has per sample);
+    ``indices`` and ``outputs`` paired in index order; ``length``: the cell's (task, length) key."""
+    samples, outputs = by_index(samples, outputs)
     return {**fields(press, budget), "task": samples[0]["task"], "length": samples[0]["length"],
             "indices": [s["index"] for s in samples],
             "outputs": outputs, "cache_bytes": nbytes // len(samples), "seconds": seconds, "threads": threads,
@@ -189,10 +212,11 @@ def describe(exc: BaseException) -> str:
 
 # ---- kvpress and torch ----
 
-def make_press(press: str, budget: float, length: int):
+def make_press(press: str, budget: float, prompt_len: int):
     """The press ``press`` keeping ``budget`` of the prompt (None for no press); DecodingPress keeps
-    ``int(budget * length)`` keys at every decoding step, scored by its base press after that step's attention."""
-    ratio, kept = 1 - budget, int(budget * length)
+    ``int(budget * prompt_len)`` keys (:func:`kept_keys`) at every decoding step, scored by its base press after that
+    step's attention."""
+    ratio, kept = 1 - budget, kept_keys(budget, prompt_len)
     makers = {
         NO_PRESS: lambda: None,
         "StreamingLLM": lambda: StreamingLLMPress(compression_ratio=ratio, n_sink=4),
@@ -300,21 +324,23 @@ def run_shared(model, ids: torch.Tensor, presses: list, question: torch.Tensor |
 
 def answer_group(model, samples: list[dict], specs: list[tuple], batch: int, new_tokens: int,
                  question_of=None, by_question: bool = False) -> list[dict]:
-    """Every spec's answers to ``samples`` (one task and length), batch by batch, one prefill per batch for all of
-    ``specs``. ``question_of(batch, ids)``: the question ids fed after the compression (None: no such split);
-    ``by_question``: batches of one question length. Per spec: {"samples", "tokens" (per batch), "bytes",
-    "seconds" (the group's), "error"}."""
-    length = samples[0]["length"]
-    states = []
-    for press, budget in specs:
-        state = {"samples": [], "tokens": [], "bytes": 0, "seconds": 0.0, "error": None}
+    """Every spec's answers to ``samples`` (one task and length), batch by batch (each of one prompt length), one
+    prefill per batch for all of ``specs``; a press per spec and prompt length. ``question_of(batch, ids)``: the
+    question ids fed after the compression (None: no such split); ``by_question``: batches of one question length.
+    Per spec: {"samples", "tokens" (per batch, in the order of "samples"), "bytes", "seconds" (the group's),
+    "error"}."""
+    states = [{"samples": [], "tokens": [], "bytes": 0, "seconds": 0.0, "error": None, "spec": spec,
+               "presses": {}} for spec in specs]
+    parts = batches(samples, batch, by_question)
+    for state in states:  # a press per prompt length, made before the clock starts
         try:
-            state["press"] = make_press(press, budget, length)
+            for prompt_len in dict.fromkeys(prompt_length(part) for part in parts):
+                state["presses"][prompt_len] = make_press(*state["spec"], prompt_len)
         except Exception as exc:
             state["error"] = describe(exc)
-        states.append(state)
     start = time.perf_counter()
-    for part in batches(samples, batch, by_question):
+    for part in parts:
+        prompt_len = prompt_length(part)
         live = [state for state in states if state["error"] is None]
         if not live:
             break
@@ -322,7 +348,8 @@ def answer_group(model, samples: list[dict], specs: list[tuple], batch: int, new
         try:
             with torch.no_grad():
                 question = question_of(part, ids) if question_of is not None else None
-                results = run_shared(model, ids, [state["press"] for state in live], question, new_tokens)
+                results = run_shared(model, ids, [state["presses"][prompt_len] for state in live], question,
+                                     new_tokens)
         except Exception as exc:  # the prefill itself failed: every press of it
             results = [exc] * len(live)
         for state, result in zip(live, results, strict=True):

@@ -28,8 +28,10 @@ def _load():
 peer = _load()
 
 
-def _sample(task="niah_single", length=8, index=0, question_tokens=3, new_tokens=5):
-    return {"task": task, "length": length, "index": index, "seed": index, "ids": list(range(length)),
+def _sample(task="niah_single", length=8, index=0, question_tokens=3, new_tokens=5, prompt_len=None):
+    """A sample of ``length`` (its cell's) with ``prompt_len`` ids (default: ``length``, as the zoo's own tasks)."""
+    return {"task": task, "length": length, "index": index, "seed": index,
+            "ids": list(range(length if prompt_len is None else prompt_len)),
             "answers": [str(index)], "question_tokens": question_tokens, "new_tokens": new_tokens, "depth": 0.5,
             "meta": {}}
 
@@ -77,6 +79,84 @@ def test_batches_and_the_question_split():
     split = peer.batches(samples, 2, by_question=True)
     assert [[s["index"] for s in b] for b in split] == [[0, 2], [4], [1, 3]]
     assert all(len({s["question_tokens"] for s in b}) == 1 for b in split)
+
+
+def _ruler_like() -> list[dict]:
+    """A cell of length 16 whose prompts (RULER's own) are shorter, each its own length, two question lengths."""
+    lens = [12, 14, 12, 16, 14, 12, 13]
+    return [_sample(length=16, index=i, prompt_len=n, question_tokens=3 + i % 2) for i, n in enumerate(lens)]
+
+
+@pytest.mark.parametrize("size", [0, 1, 2, 3])
+@pytest.mark.parametrize("by_question", [False, True])
+def test_batches_of_mixed_prompt_lengths_never_mix_lengths(size, by_question):
+    samples = _ruler_like()
+    split = peer.batches(samples, size, by_question)
+    assert all(len({len(s["ids"]) for s in b}) == 1 for b in split)
+    if by_question:
+        assert all(len({s["question_tokens"] for s in b}) == 1 for b in split)
+    assert sorted(s["index"] for b in split for s in b) == list(range(len(samples)))  # each sample once
+    assert all(0 < len(b) <= (size or len(samples)) for b in split)
+    assert [peer.prompt_length(b) for b in split] == [len(b[0]["ids"]) for b in split]
+    if size == 0 and not by_question:
+        assert [[s["index"] for s in b] for b in split] == [[0, 2, 5], [1, 4], [3], [6]]
+
+
+def test_kept_keys_use_the_prompt_length_not_the_cell_length():
+    short = [_sample(length=4096, index=0, prompt_len=3000), _sample(length=4096, index=1, prompt_len=3000)]
+    assert peer.prompt_length(short) == 3000
+    assert peer.kept_keys(0.5, peer.prompt_length(short)) == 1500
+    assert peer.kept_keys(0.1, peer.prompt_length([_sample(length=4096, prompt_len=4001)])) == 400
+    with pytest.raises(ValueError, match="prompt lengths"):
+        peer.prompt_length([_sample(length=16, prompt_len=12), _sample(length=16, prompt_len=14)])
+
+
+def test_eval_rows_pair_indices_with_outputs_in_index_order():
+    samples = [_sample(index=i, length=16, prompt_len=n) for i, n in [(2, 12), (0, 12), (3, 14), (1, 14)]]
+    row = peer.eval_row("KNorm", 0.5, samples, [f"answer {s['index']}" for s in samples], 40, 1.0, 2, {})
+    assert row["indices"] == [0, 1, 2, 3] and row["length"] == 16
+    assert row["outputs"] == [f"answer {i}" for i in row["indices"]]
+    assert row["cache_bytes"] == 10
+
+
+def test_answer_group_batches_by_prompt_length_with_a_press_per_length(monkeypatch):
+    """answer_group without kvpress: a fake press per (spec, prompt length), a fake shared prefill that answers
+    each sample with its index; the ids of a batch stack, every press sees each sample once, outputs pair."""
+    torch = pytest.importorskip("torch")
+    made, widths = [], []
+
+    def make_press(press, budget, prompt_len):
+        made.append((press, budget, prompt_len))
+        return (press, peer.kept_keys(budget, prompt_len))
+
+    def run_shared(model, ids, presses, question, new_tokens):
+        widths.append((ids.shape[1], None if question is None else question.shape[1]))
+        answer = ids[:, :1] * 0 + torch.tensor(index_of[id(ids)])[:, None]
+        return [(answer.expand(-1, new_tokens), 10 * ids.shape[0]) for _ in presses]
+
+    index_of = {}
+    real_split = peer.split_question
+
+    def question_of(part, ids):
+        index_of[id(ids)] = [s["index"] for s in part]
+        return real_split(part, ids)
+
+    monkeypatch.setattr(peer, "torch", torch, raising=False)
+    monkeypatch.setattr(peer, "make_press", make_press)
+    monkeypatch.setattr(peer, "run_shared", run_shared)
+    samples = _ruler_like()
+    specs = [("no press", 1.0), ("DecodingPress (KNorm)", 0.5)]
+    states = peer.answer_group(None, samples, specs, 2, 3, question_of, by_question=True)
+    lens = sorted({len(s["ids"]) for s in samples})
+    assert sorted(made) == sorted((p, b, n) for p, b in specs for n in lens)  # one press per spec and length
+    assert all(width > q for width, q in widths)
+    for state in states:
+        assert state["error"] is None and state["bytes"] == 10 * len(samples)
+        tokens = torch.cat(state["tokens"])
+        assert tokens.shape == (len(samples), 3)
+        assert tokens[:, 0].tolist() == [s["index"] for s in state["samples"]]  # tokens in the order of samples
+        row = peer.eval_row(*state["spec"], state["samples"], [str(t) for t in tokens[:, 0].tolist()], 0, 0.0, 2, {})
+        assert row["indices"] == list(range(len(samples))) and row["outputs"] == [str(i) for i in row["indices"]]
 
 
 def test_resume_skips_finished_rows_and_retries_errors():
@@ -156,3 +236,38 @@ def test_end_to_end_in_the_kvpress_environment(tmp_path):
     assert scored[0]["scores"] == [1.0, 1.0]
     subprocess.run(command, check=True, env=env, timeout=600, capture_output=True)  # resumed: nothing left to run
     assert len(peer.read_jsonl(tmp_path / "kvpress.jsonl")) == len(rows)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not PEER_PYTHON.exists(), reason="no kvpress environment (scripts/kvpress_env.sh)")
+def test_end_to_end_with_prompts_shorter_than_their_cell(tmp_path):
+    """RULER's own prompts: one cell (length 128) whose prompts have 112 or 128 ids, the short ones at indexes 0 and
+    2, so batches by prompt length reorder the samples; rows come back in index order, each output its sample's."""
+    folder = _model_folder()
+    if folder is None:
+        pytest.skip("SmolLM2-135M-Instruct is not converted (zoo.data.pretrained.smollm2_folder)")
+    from transformers import AutoTokenizer
+
+    from zoo.eval.report import score_peer_rows
+    from zoo.eval.tasks import Sample, make_samples
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    drawn = make_samples(tokenizer, "passkey", 112, 2, seed=0) + make_samples(tokenizer, "passkey", 128, 2, seed=0)
+    samples = [Sample.from_json({**s.to_json(), "length": 128, "index": i, "meta": {**s.meta, "source": "ruler"}})
+               for i, s in zip([0, 2, 1, 3], drawn, strict=True)]
+    assert [len(s.ids) for s in samples] == [112, 112, 128, 128]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(s.to_json()) + "\n" for s in samples))
+    command = [str(PEER_PYTHON), str(SCRIPT), "--eval", str(tmp_path), "--model", str(folder), "--budgets", "0.5",
+               "--decoding_budgets", "0.5", "--only", "no press", "KNorm", "SnapKV (no question)",
+               "DecodingPress (KNorm)"]
+    subprocess.run(command, check=True, env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=600, capture_output=True)
+    rows = peer.read_jsonl(tmp_path / "kvpress.jsonl")
+    assert sorted(r["contestant"] for r in rows) == sorted(["kvpress no press", "kvpress KNorm 50%",
+                                                            "kvpress SnapKV (no question) 50%",
+                                                            "kvpress DecodingPress (KNorm) 50%"])
+    assert all("error" not in r and r["length"] == 128 and r["indices"] == [0, 1, 2, 3] and len(r["outputs"]) == 4
+               for r in rows), rows
+    full = next(r for r in rows if r["press"] == "no press")
+    assert next(r for r in rows if r["press"] == "KNorm")["cache_bytes"] < full["cache_bytes"]
+    scored = score_peer_rows([full], {(s.task, s.length, s.index): s for s in samples})
+    assert scored[0]["scores"] == [1.0] * 4, full["outputs"]  # each sample's own key: outputs pair with indices
