@@ -9,7 +9,8 @@ Example (``recipes/configs/eval/smollm2_cpu.yaml`` is the full one)::
     samples: 8                     # per task and length (or {1024: 8, 2048: 4})
     tasks:
       - niah_single
-      - {task: niah_single, label: niah_single_book, haystack: book, value: uuid}
+      - {task: niah_single, label: niah_single_book, haystack: book, value: uuid, scoring: ruler}
+      - {source: ruler, tasks: offline}   # RULER's own tasks through lm-eval (zoo.eval.ruler)
     contestants:
       - {family: full}
       - {family: budget, policies: [tova, snapkv], budgets: [0.5, 0.25]}
@@ -29,6 +30,8 @@ from typing import Any
 import yaml
 
 from zoo.cache.policies import DEFAULT_POLICY, as_policy, policy_label
+from zoo.eval import ruler
+from zoo.eval.scoring import SCORINGS
 from zoo.eval.tasks import TASKS
 from zoo.registry import get_policy_class
 
@@ -44,13 +47,16 @@ class EvalConfigError(ValueError):
 
 @dataclass
 class TaskSpec:
-    """One task of the run: the generator ``task`` with ``options``, reported as ``label``."""
+    """One task of the run: the generator ``task`` with ``options``, reported as ``label``; ``source`` ``zoo`` (the
+    zoo's own tasks, :mod:`zoo.eval.tasks`) or ``ruler`` (RULER's, through lm-eval: :mod:`zoo.eval.ruler`)."""
 
     task: str
     label: str
     options: dict[str, Any] = field(default_factory=dict)
     lengths: list[int] = field(default_factory=list)
     samples: dict[int, int] = field(default_factory=dict)
+    source: str = "zoo"
+    scoring: str = "strict"
 
 
 @dataclass
@@ -164,17 +170,49 @@ def _samples_by_length(value: Any, lengths: list[int], where: str) -> dict[int, 
     return {n: int(value) for n in lengths}
 
 
+RULER_KEYS = {"source", "tasks", "lengths", "samples", "essays", "chat_template"}
+
+
+def _ruler_specs(entry: dict[str, Any], number: int, lengths: list[int], samples: Any) -> list[TaskSpec]:
+    """``{source: ruler, tasks: [...] | offline | all, essays: auto, chat_template: auto}``: one spec per task."""
+    unknown = sorted(set(entry) - RULER_KEYS)
+    if unknown:
+        raise EvalConfigError(f"tasks[{number}] (source ruler): unknown keys {unknown}; known: "
+                              f"{', '.join(sorted(RULER_KEYS))}.")
+    here = [int(n) for n in entry.get("lengths", lengths)]
+    options = {"essays": entry.get("essays", "auto"), "chat_template": entry.get("chat_template", "auto")}
+    specs = []
+    try:
+        for name in ruler.expand_tasks(entry.get("tasks")):
+            ruler.check_options(name, **options)
+            specs.append(TaskSpec(name, name, options, here,
+                                  _samples_by_length(entry.get("samples", samples), here, f"tasks[{number}]"),
+                                  source="ruler", scoring="ruler"))
+    except ValueError as exc:
+        raise EvalConfigError(f"tasks[{number}] (source ruler): {exc}") from exc
+    return specs
+
+
 def parse_tasks(entries: list[Any], lengths: list[int], samples: Any) -> list[TaskSpec]:
     specs = []
     for number, raw in enumerate(entries):
         entry = {"task": raw} if isinstance(raw, str) else dict(raw)
+        if entry.get("source", "zoo") == "ruler":
+            specs += _ruler_specs(entry, number, lengths, samples)
+            continue
+        if entry.pop("source", "zoo") != "zoo":
+            raise EvalConfigError(f"tasks[{number}] = {raw!r}: source is zoo (the default) or ruler.")
         task = entry.pop("task", None)
         if task not in TASKS:
-            raise EvalConfigError(f"tasks[{number}] = {raw!r}: unknown task {task!r}; known: {', '.join(TASKS)}.")
+            raise EvalConfigError(f"tasks[{number}] = {raw!r}: unknown task {task!r}; known: {', '.join(TASKS)} "
+                                  "(RULER's own: {source: ruler, tasks: [...]}).")
         label = entry.pop("label", task)
+        scoring = entry.pop("scoring", "strict")
+        if scoring not in SCORINGS:
+            raise EvalConfigError(f"tasks[{number}] ({label}): scoring {scoring!r}; use one of {', '.join(SCORINGS)}.")
         here = [int(n) for n in entry.pop("lengths", lengths)]
         counts = _samples_by_length(entry.pop("samples", samples), here, f"tasks[{number}] ({label})")
-        specs.append(TaskSpec(task, label, entry, here, counts))
+        specs.append(TaskSpec(task, label, entry, here, counts, scoring=scoring))
     labels = [s.label for s in specs]
     repeated = sorted({n for n in labels if labels.count(n) > 1})
     if repeated:

@@ -16,7 +16,7 @@ from typing import Any
 
 from zoo.bench.report import write_report
 from zoo.eval.rows import FIELDS, is_peer_reference, is_reference, with_fields
-from zoo.eval.scoring import intervals_overlap, score, summarize
+from zoo.eval.scoring import intervals_overlap, sample_score, summarize
 from zoo.eval.tasks import Sample
 from zoo.reporting import human_bytes, markdown_table, pyplot, read_jsonl, save_figure, write_csv
 
@@ -40,8 +40,8 @@ def score_peer_rows(rows: list[dict], samples: dict[tuple[str, int, int], Sample
     for row in rows:
         if "error" in row or "outputs" not in row:
             continue
-        answers = [samples[(row["task"], row["length"], i)].answers for i in row["indices"]]
-        scores = [score(a, text) for a, text in zip(answers, row["outputs"], strict=True)]
+        mine = [samples[(row["task"], row["length"], i)] for i in row["indices"]]
+        scores = [sample_score(s, text) for s, text in zip(mine, row["outputs"], strict=True)]
         depths = [samples[(row["task"], row["length"], i)].depth for i in row["indices"]]
         scored.append({**row, "family": "kvpress", "kept": row["budget"], "scores": scores, "depths": depths,
                        **summarize(scores)})

@@ -19,10 +19,11 @@ from typing import Any
 import torch
 import yaml
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
+from zoo.eval import ruler
 from zoo.eval.answer import answer_cell
-from zoo.eval.config import EvalConfig
+from zoo.eval.config import EvalConfig, EvalConfigError
 from zoo.eval.contestants import load_model, model_path
 from zoo.eval.perplexity import perplexity_row
 from zoo.eval.report import write_eval_report
@@ -34,13 +35,49 @@ from zoo.reporting import append_jsonl, read_jsonl
 PEER = Path(__file__).resolve().parents[2] / "scripts" / "kvpress_peer.py"
 
 
+def positions(model: str) -> int | None:
+    """The most positions the model's config allows (None when it names no limit)."""
+    settings = AutoConfig.from_pretrained(model_path(model))
+    settings = getattr(settings, "text_config", None) or settings
+    return next((value for name in ("max_position_embeddings", "n_positions", "n_ctx")
+                 if isinstance(value := getattr(settings, name, None), int)), None)
+
+
+def check_lengths(config: EvalConfig) -> None:
+    """Refuse lengths beyond the model's positions before any model is loaded."""
+    most, longest = positions(config.model), max((n for spec in config.tasks for n in spec.lengths), default=0)
+    if most is not None and longest > most:
+        raise EvalConfigError(f"{config.model}: the length {longest} is beyond the model's {most} positions "
+                              f"(its config.json); use lengths up to {most}.")
+
+
+def check_prompts(config: EvalConfig, samples: list[Sample]) -> None:
+    """Refuse a prompt whose answer budget runs past the model's positions (a chat template adds tokens)."""
+    most = positions(config.model)
+    over = [s for s in samples if most is not None and len(s.ids) + s.new_tokens > most]
+    if over:
+        first = over[0]
+        raise EvalConfigError(f"{first.task} @ {first.length}: a prompt of {len(first.ids)} tokens and an answer "
+                              f"budget of {first.new_tokens} run past the model's {most} positions ({len(over)} "
+                              "samples); use a shorter length or chat_template: false.")
+
+
 def build_samples(config: EvalConfig, tokenizer) -> list[Sample]:
     """Every sample of the run, in task and length order (deterministic in the config's seed)."""
     samples = []
     for spec in config.tasks:
+        if spec.source == "ruler":
+            samples += map(Sample.from_json, ruler.build(tokenizer, model_path(config.model), spec.task,
+                                                         spec.lengths, spec.samples, seed=config.seed,
+                                                         label=spec.label, **spec.options))
+            continue
         for length in spec.lengths:
-            samples += make_samples(tokenizer, spec.task, length, spec.samples[length], seed=config.seed,
-                                    label=spec.label, depths=config.depths, **spec.options)
+            made = make_samples(tokenizer, spec.task, length, spec.samples[length], seed=config.seed,
+                                label=spec.label, depths=config.depths, **spec.options)
+            for sample in made if spec.scoring != "strict" else ():  # strict: the default, not written
+                sample.meta["scoring"] = spec.scoring
+            samples += made
+    check_prompts(config, samples)
     return samples
 
 
@@ -203,6 +240,7 @@ def start_peer(config: EvalConfig) -> subprocess.Popen | None:
 
 def run(config: EvalConfig, *, resume: bool = True, dry_run: bool = False, stages: tuple[str, ...] = ()) -> Path:
     """Run every stage (``answers``, ``perplexity``, ``speed``, ``kvpress``, ``report``; ``stages`` picks some)."""
+    check_lengths(config)
     out = config.output_dir
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(config.threads)
@@ -242,7 +280,7 @@ def describe_plan(config: EvalConfig, samples: list[Sample]) -> str:
     lines = [f"zoo eval plan: {config.output_dir}", f"model: {config.model}", "tasks x lengths (samples):"]
     for cell in cells(samples):
         lines.append(f"  {cell[0].task} @ {cell[0].length}: {len(cell)} samples, {cell[0].new_tokens} new tokens")
-    lines.append(f"prompt tokens: {sum(s.length for s in samples):,}")
+    lines.append(f"prompt tokens: {sum(len(s.ids) for s in samples):,}")
     lines.append(f"contestants ({len(config.contestants)}):")
     lines += [f"  {c['name']} [{c['family']}]" for c in config.contestants]
     if config.perplexity:

@@ -1,5 +1,15 @@
-"""Scoring ``zoo eval`` answers as RULER does (recall of the expected strings in the greedy output), and the Wilson
-score interval of a task's mean score."""
+"""Scoring ``zoo eval`` answers (recall of the expected strings in the greedy output), and the Wilson score interval
+of a task's mean score.
+
+Two scorings (a sample's ``meta["scoring"]`` names its own; the report says which each row used):
+
+- ``ruler``: RULER's ``string_match_all`` exactly (NVIDIA RULER, and lm-evaluation-harness's port,
+  ``lm_eval/tasks/ruler/common_utils.py``): the output stripped, control characters turned into line breaks, then
+  the share of answers that occur in it as case-insensitive substrings, so "12345678" counts for 1234567. RULER's
+  own tasks (``zoo.eval.ruler``) are scored so.
+- ``strict``: the zoo's own tasks' default: the same recall, but a number must not sit inside a longer run of digits
+  and an alphabetic answer must be a whole word ("porch" is not in "porches").
+"""
 
 from __future__ import annotations
 
@@ -24,23 +34,43 @@ def found(answer: str, output: str) -> bool:
     return bool(answer) and _pattern(answer).search(output) is not None
 
 
-def score(answers: list[str], output: str) -> float:
-    """RULER's recall: the share of ``answers`` that occur in ``output``.
+SCORINGS = ("strict", "ruler")
+_CONTROL = re.compile(r"[\x00-\x1f]")
 
-    Case-insensitive, surrounding whitespace stripped; an alphabetic answer must occur as a whole word (``cat`` is not
-    in ``category``), a number not inside a longer run of digits (``1234567`` is not in ``912345678``), other answers
-    (UUIDs) as plain substrings.
+
+def ruler_found(answer: str, output: str) -> bool:
+    """RULER's test: ``answer`` occurs in ``output`` (stripped, control characters as line breaks), ignoring case."""
+    return answer.lower() in _CONTROL.sub("\n", output.strip()).strip().lower()
+
+
+def score(answers: list[str], output: str, scoring: str = "strict") -> float:
+    """The share of ``answers`` that occur in ``output``, by ``scoring`` (``strict`` or ``ruler``, see above).
+
+    ``strict``: case-insensitive, surrounding whitespace stripped; an alphabetic answer must occur as a whole word
+    (``cat`` is not in ``category``), a number not inside a longer run of digits (``1234567`` is not in
+    ``912345678``), other answers (UUIDs) as plain substrings. ``ruler``: any case-insensitive substring
+    (:func:`ruler_found`).
 
     Args:
         answers: the expected strings (at least one).
         output: the model's greedy continuation, decoded.
+        scoring: ``strict`` (default) or ``ruler``.
 
     Returns:
         The share found, 0..1 (2 of 4 answers: 0.5).
     """
     if not answers:
         raise ValueError("score: no expected answers to look for")
-    return sum(found(answer, output) for answer in answers) / len(answers)
+    if scoring not in SCORINGS:
+        raise ValueError(f"score: unknown scoring {scoring!r}; use one of {', '.join(SCORINGS)}.")
+    test = ruler_found if scoring == "ruler" else found
+    return sum(test(answer, output) for answer in answers) / len(answers)
+
+
+def sample_score(sample, output: str) -> float:
+    """``output`` scored for a :class:`~zoo.eval.tasks.Sample` by its scoring (``meta["scoring"]``, default
+    ``strict``)."""
+    return score(sample.answers, output, sample.meta.get("scoring", "strict"))
 
 
 def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
