@@ -4,7 +4,11 @@ tokenizer; RULER's scoring equals lm-eval's; the refusals come before any model 
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -19,6 +23,7 @@ from zoo.eval.config import EvalConfigError, load_config  # noqa: E402
 from zoo.eval.scoring import score  # noqa: E402
 from zoo.reporting import read_jsonl  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[2]
 LENGTH = 1024
 LIMIT = 2
 # a repeat haystack, a haystack of needles with UUIDs, variable tracking (NumPy's seed), common words, and an essay
@@ -42,7 +47,7 @@ def zoo_rows(tiny_folder, tmp_path_factory):
         "contestants": [{"family": "full"}]}))
     assert main([str(path), "--stages", "answers", "report"]) == 0
     prompts = {(r["task"], r["index"]): r for r in read_jsonl(out / "prompts.jsonl")}
-    return prompts, {r["task"]: r for r in read_jsonl(out / "answers.jsonl")}
+    return prompts, {r["task"]: r for r in read_jsonl(out / "answers.jsonl")}, out
 
 
 def lm_eval_run(folder, task: str) -> tuple[list[list[int]], list[dict]]:
@@ -70,7 +75,7 @@ def lm_eval_run(folder, task: str) -> tuple[list[list[int]], list[dict]]:
 
 @pytest.mark.parametrize("task", TASKS)
 def test_zoo_eval_equals_lm_eval_sample_by_sample(task, tiny_folder, zoo_rows):
-    prompts, rows = zoo_rows
+    prompts, rows, _ = zoo_rows
     fed, logged = lm_eval_run(tiny_folder, task)
     row = rows[task]
     assert "error" not in row, row.get("error")
@@ -84,6 +89,17 @@ def test_zoo_eval_equals_lm_eval_sample_by_sample(task, tiny_folder, zoo_rows):
         assert prompt["new_tokens"] == sample["arguments"][0][1]["max_gen_toks"]
     if task == "niah_single_2":
         assert prompts[(task, 0)]["meta"]["haystack"] == "essay→book"
+
+
+def test_the_comparison_script_runs_lm_evals_cli_with_the_books_and_finds_it_equal(zoo_rows):
+    """scripts/ruler_vs_lm_eval.py: ``python -m zoo.interop.lm_eval ... --ruler_essays books`` in its own process."""
+    *_, out = zoo_rows
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "ruler_vs_lm_eval.py"), str(out), "--tasks",
+                           "niah_single_2"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (row,) = json.loads((out / "lm_eval_comparison.json").read_text())["tasks"]
+    assert row["task"] == "niah_single_2" and row["samples"] == LIMIT
+    assert row["ids equal"] == row["outputs equal"] == row["scores equal"] == LIMIT
 
 
 def test_ruler_scoring_is_lm_evals_string_match_all():
