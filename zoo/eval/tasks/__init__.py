@@ -91,8 +91,9 @@ def _resolve(task: str, options: dict[str, Any]) -> dict[str, Any]:
 
 
 def answer_tokens(tokenizer, task: str, answers: list[str]) -> int:
-    """Tokens enough for a greedy answer naming every expected string (:meth:`EvalTask.answer_tokens`: the answers
-    as a comma list or the task's own forms, plus a fifth; ``passkey``: ``zoo.bench.passkey.NEW_TOKENS``)."""
+    """Tokens enough for a greedy answer naming every expected string (:meth:`EvalTask.answer_tokens`: the longest
+    of the answers' forms, a comma list, a numbered list for several answers or the task's own, plus a fifth, at
+    least 4 tokens)."""
     return _task(task).answer_tokens(tokenizer, answers)
 
 

@@ -3,7 +3,11 @@ held-out Gutenberg book), inserting needles at a depth (at a sentence end when o
 vocabulary, and the :class:`Prompt` a task builder returns.
 
 Every prompt is built from pieces tokenized separately (``tokenizer(text, add_special_tokens=False).input_ids``) and
-concatenated, so its length in tokens is known exactly; the haystack is cut to the room the fixed parts leave.
+concatenated, so its length in tokens is known exactly; the haystack is cut to the room the fixed parts leave. The
+pieces meet where the tokenizer splits words anyway (a piece ends a word or a line; the next begins with a space or a
+line break, or after a line break), and a haystack is tokenized as one text and cut only between words, so a prompt's
+ids are the ones the tokenizer gives its decoded text: ``tokenizer(tokenizer.decode(ids)).input_ids == ids`` (checked on
+SmolLM2's tokenizer, whose pre-tokenizer splits text before a space-led word, a line break and punctuation).
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from zoo.data.npm import fetch
 HAYSTACKS = ("noise", "book")
 # The least haystack a needle task keeps around its needles (below it, "depth" means little).
 MIN_HAYSTACK = 32
-# A needle moves at most this share of the haystack to reach a sentence (or word) boundary.
+# A needle moves to the nearest sentence boundary within this share of the haystack or MIN_SNAP tokens (whichever
+# is more), else within 4 times that, else to the nearest word start (:func:`insertion_point`).
 SNAP_SHARE = 0.02
+MIN_SNAP = 16
 
 
 class TooShortError(ValueError):
@@ -99,11 +105,12 @@ def too_short_for_haystack(task: str, length: int, fixed: int, what: str) -> Too
 
 
 @lru_cache(maxsize=8)
-def _token_classes(keyed: Keyed) -> tuple[frozenset[int], frozenset[int], frozenset[int]]:
-    """(ids that end a sentence, ids that start a word, ids that end a line) of the tokenizer's vocabulary."""
+def _token_classes(keyed: Keyed) -> tuple[frozenset[int], frozenset[int], frozenset[int], frozenset[int]]:
+    """(ids that end a sentence, ids that start a word, ids that end a line, ids that may start a sentence: a word
+    start not in lowercase) of the tokenizer's vocabulary."""
     tokenizer = keyed.tokenizer
     texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-    ends, starts, lines = set(), set(), set()
+    ends, starts, lines, capitals = set(), set(), set(), set()
     for token_id, text in enumerate(texts):
         core = text.rstrip(" \"'\u201d\u2019)")
         if text.endswith("\n"):
@@ -112,27 +119,32 @@ def _token_classes(keyed: Keyed) -> tuple[frozenset[int], frozenset[int], frozen
             ends.add(token_id)
         if text[:1] in (" ", "\n"):
             starts.add(token_id)
-    return frozenset(ends), frozenset(starts), frozenset(lines)
+            if not text.lstrip()[:1].islower():
+                capitals.add(token_id)
+    return frozenset(ends), frozenset(starts), frozenset(lines), frozenset(capitals)
 
 
 def insertion_point(tokenizer, hay: list[int], target: int) -> int:
-    """The position nearest ``target`` (within ``SNAP_SHARE`` of the haystack) that follows a sentence end and
-    precedes a word; else the nearest word start there; else ``target`` itself."""
-    ends, starts, _ = _token_classes(Keyed(tokenizer))
-    window = int(SNAP_SHARE * len(hay))
-    near = sorted(range(max(0, target - window), min(len(hay), target + window) + 1),
-                  key=lambda p: (abs(p - target), p))
+    """The position nearest ``target`` (within ``SNAP_SHARE`` of the haystack or ``MIN_SNAP`` tokens, whichever is
+    more; else within 4 times that) that follows a sentence end and precedes a space-led word not in lowercase (or
+    ends the haystack); else the nearest space-led word start (or the haystack's end), however far.
 
-    def word_start(p: int) -> bool:
-        return p in (0, len(hay)) or hay[p] in starts
+    A needle (a space-led sentence) put there is tokenized as it would be in the decoded text. The haystack's start
+    is a place only when its first word is space-led, so a needle at depth 0 of a haystack that starts a line goes
+    after the haystack's first sentence rather than run into its first word."""
+    ends, starts, _, capitals = _token_classes(Keyed(tokenizer))
+    window = max(int(SNAP_SHARE * len(hay)), MIN_SNAP)
 
-    for p in near:
-        if (p == 0 or hay[p - 1] in ends) and word_start(p):
-            return p
-    for p in near:
-        if word_start(p):
-            return p
-    return target
+    def nearest(reach: int) -> list[int]:
+        return sorted(range(max(0, target - reach), min(len(hay), target + reach) + 1),
+                      key=lambda p: (abs(p - target), p))
+
+    for reach in (window, 4 * window):  # after a sentence end, before a word not in lowercase ("Charles! how can")
+        for p in nearest(reach):
+            if (p == 0 or hay[p - 1] in ends) and (p == len(hay) or hay[p] in capitals):
+                return p
+    # the haystack's start counts only before a space-led word: no "1234567.The"
+    return next(p for p in nearest(len(hay)) if p == len(hay) or hay[p] in starts)
 
 
 def insert_needles(tokenizer, hay: list[int], needles: list[tuple[float, list[int]]],
@@ -169,10 +181,40 @@ def spread_depths(rng: random.Random, count: int) -> list[float]:
 # ---------------------------------------------------------------- haystacks
 
 
+NOISE = FILLER.strip()  # the noise passage (the passkey benchmark's filler), its copies joined by a space
+
+
+@lru_cache(maxsize=8)
+def _noise_copies(keyed: Keyed) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(the ids of the first copy of ``NOISE``, of each copy after it), when the tokenizer splits the copies so;
+    else None (:func:`noise` tokenizes the whole text)."""
+    tokenizer = keyed.tokenizer
+    first, then = encode(tokenizer, NOISE), encode(tokenizer, " " + NOISE)
+    if encode(tokenizer, " ".join([NOISE] * 3)) != first + then + then:
+        return None
+    return tuple(first), tuple(then)
+
+
 def noise(tokenizer, size: int) -> list[int]:
-    """``size`` ids of the repeated noise passage (``zoo.bench.passkey.FILLER``)."""
-    filler = encode(tokenizer, FILLER)
-    return (filler * (size // len(filler) + 1))[:size]
+    """The first ``size`` ids of the noise passage repeated (``NOISE``, copies joined by a space), as the
+    tokenizer tokenizes the repeated text (not the copies one by one: a copy alone ends without the space that
+    begins the next one's first word, `` The``)."""
+    copies = _noise_copies(Keyed(tokenizer))
+    if copies is None:
+        text = " ".join([NOISE] * (size // max(1, len(encode(tokenizer, NOISE))) + 2))
+        return encode(tokenizer, text)[:size]
+    first, then = copies
+    return (list(first) + list(then) * (max(0, size - len(first)) // len(then) + 1))[:size]
+
+
+def between(tokenizer, text: str) -> list[int]:
+    """The ids of ``text`` as the tokenizer tokenizes it between two words (two line breaks alone are one token of
+    SmolLM2's, two before a word)."""
+    word = encode(tokenizer, "x")
+    around = encode(tokenizer, "x" + text + "x")
+    if around[: len(word)] == word and around[-len(word) :] == word and len(around) > 2 * len(word):
+        return around[len(word) : -len(word)]
+    return encode(tokenizer, text)
 
 
 def _unwrap(text: str) -> str:
@@ -198,8 +240,10 @@ def _book_ids(keyed: Keyed, name: str) -> tuple[int, ...]:
 
 
 def book(tokenizer, size: int, rng: random.Random) -> tuple[list[int], dict[str, Any]]:
-    """A seeded contiguous stretch of ``size`` ids of a held-out book, starting at a paragraph (else a sentence)
-    when one is near; the other held-out books follow the drawn one, in turn, when it is shorter than ``size``.
+    """A seeded contiguous stretch of ``size`` ids of a held-out book, starting at a paragraph (else a sentence,
+    else a word; never at a line break, which would join the header's) when one is near and ending before a word (so
+    the stretch decodes to text that tokenizes to these ids); the other held-out books follow the drawn one, in turn,
+    when it is shorter than ``size``.
 
     Returns:
         The ids and ``{"book": name, "start": token offset in the book (and those after it)}``.
@@ -209,18 +253,24 @@ def book(tokenizer, size: int, rng: random.Random) -> tuple[list[int], dict[str,
     first = rng.randrange(len(names))
     stream = list(_book_ids(keyed, names[first]))
     turn = 1
-    gap = encode(tokenizer, "\n\n")
+    gap = between(tokenizer, "\n\n")
     while len(stream) < size + 1:
         stream += gap + list(_book_ids(keyed, names[(first + turn) % len(names)]))
         turn += 1
     start = rng.randrange(len(stream) - size + 1)
-    ends, starts, lines = _token_classes(keyed)
+    ends, starts, lines, _ = _token_classes(keyed)
     last = len(stream) - size
+
+    def whole(p: int) -> bool:  # the stretch from p starts with no line break and ends before a word
+        return stream[p] not in lines and (p == last or stream[p + size] in starts)
+
     paragraph = next((p for p in range(start, min(start + 512, last + 1)) if p > 0 and stream[p - 1] in lines
-                      and stream[p] not in lines), None)
+                      and whole(p)), None)
     sentence = next((p for p in range(start, min(start + 256, last + 1)) if p > 0 and stream[p - 1] in ends
-                     and stream[p] in starts), None)
-    start = next((p for p in (paragraph, sentence) if p is not None), start)
+                     and stream[p] in starts and whole(p)), None)
+    word = next((p for p in range(start, min(start + 256, last + 1)) if (p == 0 or stream[p] in starts)
+                 and whole(p)), None)
+    start = next((p for p in (paragraph, sentence, word) if p is not None), start)
     return stream[start : start + size], {"book": names[first], "start": start}
 
 
@@ -233,7 +283,9 @@ def haystack(tokenizer, kind: str, size: int, rng: random.Random) -> tuple[list[
 
 
 def pad_ids(tokenizer, count: int) -> list[int]:
-    """``count`` ids of blank space (one space token each where the tokenizer has one)."""
+    """``count`` ids of blank space (one space token each where the tokenizer has one). Runs of them decode to
+    spaces the tokenizer may join into fewer tokens: the word tasks pad only when no choice of words fills a prompt
+    exactly."""
     for text in (" ", "\n", "."):
         ids = encode(tokenizer, text)
         if len(ids) == 1:

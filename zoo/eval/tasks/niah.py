@@ -1,6 +1,11 @@
 """Needle-in-a-haystack tasks: special magic numbers (or UUIDs) filed under keys, hidden in a haystack, asked for at
 the end. ``niah_single`` hides one; ``niah_multikey`` adds needles of other keys; ``niah_multivalue`` files several
 values under one key; ``niah_multiquery`` asks for the values of several keys.
+
+As in RULER, a prompt that asks for one value (``niah_single``, ``niah_multikey``; ``niah_multivalue`` with one value,
+``niah_multiquery`` with one query) speaks of it in the singular, in its header and question ("A special magic number
+is hidden ... What is the special magic number for ..."); one that asks for several, in the plural. The needles say
+"One of the special magic numbers for ..." either way.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from zoo.eval.tasks.registry import EvalTask, register
 
 VALUES = ("number", "uuid")
 KEYS = ("word", "number", "uuid")
+HEADER_ONE = ("A special magic {kind} is hidden within the following text. Make sure to memorize it. I will quiz you "
+              "about the {kind} afterwards.\n")
 HEADER = ("Some special magic {kinds} are hidden within the following text. Make sure to memorize it. I will quiz "
           "you about the {kinds} afterwards.\n")
 NEEDLE = "One of the special magic {kinds} for {key} is: {value}."
@@ -68,18 +75,27 @@ def _listing(keys: list[str]) -> str:
     return keys[0] if len(keys) == 1 else f"{', '.join(keys[:-1])} and {keys[-1]}"
 
 
+def question(value_kind: str, keys: list[str], answers: list[str]) -> str:
+    """The question for the values of ``keys``: in the singular when it asks for one value (RULER's rule)."""
+    if len(answers) == 1:
+        return QUESTION_ONE.format(kind=value_kind, key=_listing(keys))
+    return QUESTION_ALL.format(kinds=value_kind + "s", key=_listing(keys))
+
+
 def assemble(tokenizer, task: str, length: int, rng: random.Random, haystack_kind: str, value_kind: str,
-             needles: list[tuple[float, str, str]], question: str, answers: list[str],
+             needles: list[tuple[float, str, str]], keys: list[str], answers: list[str],
              meta: dict | None = None) -> Prompt:
-    """Header, the haystack with the needles (depth, key, value) inserted, the question: exactly ``length`` ids.
+    """Header, the haystack with the needles (depth, key, value) inserted, the question for the values of ``keys``:
+    exactly ``length`` ids; header and question in the singular when one value is asked for.
 
     The first needle's depth is the prompt's ``depth``.
     """
     kinds = value_kind + "s"
-    head = encode(tokenizer, HEADER.format(kinds=kinds))
+    header = HEADER_ONE.format(kind=value_kind) if len(answers) == 1 else HEADER.format(kinds=kinds)
+    head = encode(tokenizer, header)
     pieces = [(depth, encode(tokenizer, " " + NEEDLE.format(kinds=kinds, key=key, value=value)))
               for depth, key, value in needles]
-    asked = encode(tokenizer, question)
+    asked = encode(tokenizer, question(value_kind, keys, answers))
     fixed = len(head) + sum(len(ids) for _, ids in pieces) + len(asked)
     room = length - fixed
     if room < MIN_HAYSTACK:
@@ -99,8 +115,7 @@ def niah_single(tokenizer, length: int, rng: random.Random, depth: float, *, hay
     taken: set[str] = set()
     (asked_key,) = draw_distinct(rng, key, 1, taken)
     (answer,) = draw_distinct(rng, value, 1, taken)
-    question = QUESTION_ONE.format(kind=value, key=asked_key)
-    return assemble(tokenizer, "niah_single", length, rng, haystack, value, [(depth, asked_key, answer)], question,
+    return assemble(tokenizer, "niah_single", length, rng, haystack, value, [(depth, asked_key, answer)], [asked_key],
                     [answer], {"key": asked_key})
 
 
@@ -113,9 +128,8 @@ def niah_multikey(tokenizer, length: int, rng: random.Random, depth: float, *, h
     keys = draw_distinct(rng, key, 1 + distractors, taken)
     values = draw_distinct(rng, value, 1 + distractors, taken)
     depths = [depth, *spread_depths(rng, distractors)]
-    question = QUESTION_ONE.format(kind=value, key=keys[0])
     needles = list(zip(depths, keys, values, strict=True))
-    return assemble(tokenizer, "niah_multikey", length, rng, haystack, value, needles, question, [values[0]],
+    return assemble(tokenizer, "niah_multikey", length, rng, haystack, value, needles, keys[:1], [values[0]],
                     {"key": keys[0], "distractor_keys": keys[1:], "distractor_values": values[1:]})
 
 
@@ -128,9 +142,8 @@ def niah_multivalue(tokenizer, length: int, rng: random.Random, depth: float, *,
     (asked_key,) = draw_distinct(rng, key, 1, taken)
     answers = draw_distinct(rng, value, values, taken)
     depths = [depth, *spread_depths(rng, values - 1)]
-    question = QUESTION_ALL.format(kinds=value + "s", key=asked_key)
     needles = [(d, asked_key, v) for d, v in zip(depths, answers, strict=True)]
-    return assemble(tokenizer, "niah_multivalue", length, rng, haystack, value, needles, question, answers,
+    return assemble(tokenizer, "niah_multivalue", length, rng, haystack, value, needles, [asked_key], answers,
                     {"key": asked_key})
 
 
@@ -143,9 +156,8 @@ def niah_multiquery(tokenizer, length: int, rng: random.Random, depth: float, *,
     keys = draw_distinct(rng, key, queries, taken)
     answers = draw_distinct(rng, value, queries, taken)
     depths = [depth, *spread_depths(rng, queries - 1)]
-    question = QUESTION_ALL.format(kinds=value + "s", key=_listing(keys))
     needles = list(zip(depths, keys, answers, strict=True))
-    return assemble(tokenizer, "niah_multiquery", length, rng, haystack, value, needles, question, answers,
+    return assemble(tokenizer, "niah_multiquery", length, rng, haystack, value, needles, keys, answers,
                     {"keys": keys})
 
 

@@ -19,8 +19,8 @@ class EvalTask:
         build: ``build(tokenizer, length, rng, depth, **options) -> Prompt``; its keyword-only parameters are the
             task's options, with their defaults.
         depth: whether its samples put a needle at a depth (else a sample's ``depth`` is None).
-        answer_forms: other ways models tend to write the answers, beside the comma list; the answer budget holds
-            the longest form.
+        answer_forms: other ways models tend to write the answers, beside the comma list and (for several answers)
+            the numbered list (:func:`list_forms`); the answer budget holds the longest form.
         new_tokens: a fixed answer budget instead of the one measured from the answers.
     """
 
@@ -30,14 +30,33 @@ class EvalTask:
     answer_forms: Callable[[list[str]], list[str]] | None = None
     new_tokens: int | None = None
 
+    def forms(self, answers: list[str]) -> list[str]:
+        """Every way of writing ``answers`` that the answer budget holds: :func:`list_forms` and the task's own."""
+        return [*list_forms(answers), *(self.answer_forms(answers) if self.answer_forms else [])]
+
+    def need(self, tokenizer, answers: list[str]) -> int:
+        """The tokens of the longest of :meth:`forms` (after a space, as it follows the answer prefix)."""
+        return max(len(encode(tokenizer, " " + form)) for form in self.forms(answers))
+
     def answer_tokens(self, tokenizer, answers: list[str]) -> int:
         """Tokens enough for a greedy answer naming every expected string, with room to spare: the longest form of
-        the answers plus a fifth (at least 4 tokens); or ``new_tokens`` when set."""
+        the answers (:meth:`need`) plus a fifth, at least 4 tokens; or ``new_tokens`` when set."""
         if self.new_tokens is not None:
             return self.new_tokens
-        forms = [", ".join(answers), *(self.answer_forms(answers) if self.answer_forms else [])]
-        need = max(len(encode(tokenizer, " " + form)) for form in forms)
+        need = self.need(tokenizer, answers)
         return need + max(4, need // 5)
+
+
+def numbered(items: list[str]) -> str:
+    """``1. a`` / ``2. b`` ..., a line each."""
+    return "\n".join(f"{number}. {item}" for number, item in enumerate(items, 1))
+
+
+def list_forms(answers: list[str]) -> list[str]:
+    """The ways of writing the answers that every task's budget holds: the comma list, and for several answers the
+    numbered list (:func:`numbered`, the longer: a three-word answer of ``frequent_words`` is 8 SmolLM2 tokens as a
+    comma list, 15 numbered)."""
+    return [", ".join(answers), *([numbered(answers)] if len(answers) > 1 else [])]
 
 
 REGISTRY: dict[str, EvalTask] = {}

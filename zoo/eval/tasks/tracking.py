@@ -19,7 +19,7 @@ from zoo.eval.tasks.haystack import (
     too_short_for_haystack,
 )
 from zoo.eval.tasks.haystack import haystack as make_haystack
-from zoo.eval.tasks.registry import EvalTask, register
+from zoo.eval.tasks.registry import EvalTask, numbered, register
 
 HEADER = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n"
 FIRST = "VAR {name} = {value}."
@@ -83,5 +83,10 @@ def variable_tracking(tokenizer, length: int, rng: random.Random, depth: float |
                         "statement_offsets": [len(head) + offset for offset in offsets]})
 
 
-register(EvalTask("variable_tracking", variable_tracking,
-                  answer_forms=lambda names: [", ".join(f"VAR {name}" for name in names)]))
+def _forms(names: list[str]) -> list[str]:
+    """The names as the assignments write them (``VAR ABCDE``): a comma list and a numbered one."""
+    named = [f"VAR {name}" for name in names]
+    return [", ".join(named), numbered(named)]
+
+
+register(EvalTask("variable_tracking", variable_tracking, answer_forms=_forms))

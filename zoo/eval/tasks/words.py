@@ -59,7 +59,8 @@ def common_words(tokenizer, length: int, rng: random.Random, depth: float | None
                  common_freq: int | None = None, uncommon_freq: int = 3) -> Prompt:
     """A shuffled numbered list of Brown words: ``common`` words ``common_freq`` times each (default: scaled with
     the length, :func:`default_common_freq`), as many others ``uncommon_freq`` times each as fit, and words once
-    each in the rest; the answer is the common words. ``depth`` is not used."""
+    each in the rest (the last few tokens filled by longer words, :func:`_lengthen`); the answer is the common words.
+    ``depth`` is not used."""
     task = "common_words"
     check_count(task, "common", common)
     check_count(task, "uncommon_freq", uncommon_freq)
@@ -97,6 +98,14 @@ def common_words(tokenizer, length: int, rng: random.Random, depth: float | None
         entries += uncommon_freq
         index += 1
     uncommon = index - common
+    rest = room - marker_total[entries] - words_cost
+    if uncommon > common and entries + 1 < len(markers) and 0 < rest <= len(markers[entries + 1]):
+        # too little room left for a word once, and a word listed uncommon_freq times cannot be lengthened by 1 or 2
+        # tokens: give the last one's room to words once each (:func:`_lengthen` fills the last tokens with them)
+        index, uncommon = index - 1, uncommon - 1
+        counts.pop()
+        words_cost -= uncommon_freq * len(word_ids[index])
+        entries -= uncommon_freq
     while index < len(drawn) and entries + 1 < len(marker_total):  # the rest: words once each, the last that fits
         gap = room - marker_total[entries + 1] - words_cost
         fitting = next((i for i in range(index, min(len(drawn), index + 256)) if len(word_ids[i]) <= gap), None)
@@ -108,6 +117,8 @@ def common_words(tokenizer, length: int, rng: random.Random, depth: float | None
         words_cost += len(word_ids[index])
         entries += 1
         index += 1
+    gap = room - marker_total[entries] - words_cost
+    gap = _lengthen(drawn, word_ids, counts, index, gap)
     order = [i for i, n in enumerate(counts) for _ in range(n)]
     rng.shuffle(order)
     body = [t for number, i in enumerate(order, 1) for t in (*markers[number], *word_ids[i])]
@@ -116,6 +127,51 @@ def common_words(tokenizer, length: int, rng: random.Random, depth: float | None
                   question_tokens=len(asked),
                   meta={"common_freq": common_freq, "uncommon_freq": uncommon_freq, "uncommon_words": uncommon,
                         "single_words": index - common - uncommon, "entries": entries, "pad": pad})
+
+
+def _lengthen(drawn: list[str], word_ids: list[list[int]], counts: list[int], used: int, gap: int) -> int:
+    """Fill ``gap`` tokens by swapping listed words (``drawn[:used]``, listed ``counts[i]`` times each) for unlisted
+    ones (``drawn[used:]``) of other token counts, in place: longer ones, the least repeated words first; then, for
+    what is left, a pair of swaps (one may shorten a word: a word listed 4 times made a token longer and one listed 3
+    times a token shorter fill 1 token). Returns what is left of the gap (0 but for want of words). Blank padding
+    instead would decode to a run of spaces that the tokenizer joins into fewer tokens."""
+    pool: dict[int, list[int]] = {}
+    for j in range(used, len(drawn)):
+        pool.setdefault(len(word_ids[j]), []).append(j)
+
+    def swap(i: int, size: int) -> None:
+        j = pool[size].pop()
+        pool.setdefault(len(word_ids[i]), []).append(j)
+        drawn[i], drawn[j] = drawn[j], drawn[i]
+        word_ids[i], word_ids[j] = word_ids[j], word_ids[i]
+
+    for i in sorted(range(used), key=lambda i: (counts[i], i)):
+        size = len(word_ids[i])
+        more = next((m for m in range(gap // counts[i], 0, -1) if pool.get(size + m)), 0)
+        if more:
+            swap(i, size + more)
+            gap -= more * counts[i]
+    if gap <= 0:
+        return gap
+    kinds: dict[tuple[int, int], list[int]] = {}  # (count, tokens) -> listed words
+    for i in range(used):
+        kinds.setdefault((counts[i], len(word_ids[i])), []).append(i)
+    sizes = sorted(pool)
+    for (count_a, size_a), words_a in kinds.items():
+        for (count_b, size_b), words_b in kinds.items():
+            if len(set(words_a[:2]) | set(words_b[:2])) < 2:
+                continue
+            for new_a in (n for n in sizes if pool[n] and n != size_a):
+                rest = gap - (new_a - size_a) * count_a
+                new_b = size_b + rest // count_b
+                if rest % count_b or new_b == size_b or len(pool.get(new_b, ())) < 1 + (new_b == new_a):
+                    continue
+                a = words_a[0]
+                b = next(i for i in words_b if i != a)
+                swap(a, new_a)
+                swap(b, new_b)
+                return 0
+    return gap
 
 
 def _coined(rng: random.Random) -> str:
@@ -168,11 +224,33 @@ def _separate_top(picks: list[int], rng: random.Random) -> None:
     raise ValueError("frequent_words: the text is too short to separate its most frequent words; use a longer length")
 
 
+def _fill(tokenizer, rng: random.Random, picks: list[int], words: list[str], word_ids: list[list[int]],
+          gap: int) -> None:
+    """Fill the ``gap`` (fewer tokens than a word) left after the last whole word: ``gap`` picks of words outside the
+    top 4 become new made-up words of one token more, once each (so the top 4 stay as they are). In place; nothing
+    changes when there are too few such picks or words (the prompt is then padded with blank space)."""
+    if gap <= 0:
+        return
+    counts = Counter(picks)
+    top = set(sorted(counts, key=lambda w: (-counts[w], w))[:4])
+    rare = [p for p, w in enumerate(picks) if w not in top]
+    if len(rare) < gap:
+        return
+    try:
+        longer, longer_ids = _coined_vocabulary(tokenizer, rng, gap, len(word_ids[0]) + 1)
+    except ValueError:
+        return
+    for p, word, ids in zip(rng.sample(rare, gap), longer, longer_ids, strict=True):
+        picks[p] = len(words)
+        words.append(word)
+        word_ids.append(ids)
+
+
 def frequent_words(tokenizer, length: int, rng: random.Random, depth: float | None = None, *, alpha: float = 2.0,
                    vocabulary: int = 1000) -> Prompt:
     """Made-up words drawn from a Zipf distribution (exponent ``alpha``) over ``vocabulary`` words, space-separated
-    until the context is full; the answer is the 3 most frequent words of the text, with no tie among the first 4.
-    ``depth`` is not used."""
+    until the context is full (the last few tokens: a few words once each, of one token more); the answer is the 3
+    most frequent words of the text, with no tie among the first 4. ``depth`` is not used."""
     task = "frequent_words"
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
         raise ValueError(f"frequent_words: alpha={alpha!r}; use a positive number.")
@@ -189,6 +267,7 @@ def frequent_words(tokenizer, length: int, rng: random.Random, depth: float | No
     weights = list(accumulate(1 / (rank + 1) ** alpha for rank in range(vocabulary)))
     picks = rng.choices(range(vocabulary), cum_weights=weights, k=room // tokens)
     _separate_top(picks, rng)
+    _fill(tokenizer, rng, picks, words, word_ids, room - tokens * len(picks))
     counts = Counter(picks)
     top = sorted(counts, key=lambda w: (-counts[w], w))[:3]
     body = [t for w in picks for t in word_ids[w]]
@@ -200,6 +279,4 @@ def frequent_words(tokenizer, length: int, rng: random.Random, depth: float | No
                         "pad": pad})
 
 
-register(EvalTask("common_words", common_words,
-                  answer_forms=lambda words: [" ".join(f"{number}. {word}" for number, word in enumerate(words, 1))]),
-         EvalTask("frequent_words", frequent_words))
+register(EvalTask("common_words", common_words), EvalTask("frequent_words", frequent_words))  # lists: numbered too
