@@ -49,8 +49,10 @@ def offline() -> bool:
 
 
 def expand_tasks(value: Any) -> list[str]:
-    """The task names of a ``{source: ruler, tasks: ...}`` entry: a list of names, ``all`` (the 13) or ``offline``
-    (every task but the QA ones)."""
+    """The task names of a ``{source: ruler, tasks: ...}`` entry: a list of names, ``all`` (the 13), ``offline``
+    (every task but the QA ones) or ``available`` (``all`` where downloads are on, else ``offline``)."""
+    if value == "available":
+        value = "offline" if offline() else "all"
     if value in ("all", None):
         return list(RULER_TASKS)
     if value == "offline":
@@ -59,7 +61,7 @@ def expand_tasks(value: Any) -> list[str]:
     unknown = [name for name in names if name not in RULER_TASKS]
     if unknown:
         raise ValueError(f"unknown RULER task(s) {unknown}; lm-eval's RULER tasks are: {', '.join(RULER_TASKS)} "
-                         "(or `all`, or `offline`).")
+                         "(or `all`, `offline`, `available`).")
     return names
 
 

@@ -39,10 +39,10 @@ class Sample:
     """One prompt of a task at a length, and what a correct answer holds."""
 
     task: str  # the task's label in the run (default: the task's name)
-    length: int  # tokens
+    length: int  # tokens (RULER's own tasks: the length asked for, which prompt and answer budget fit in)
     index: int  # the sample's number within (task, length)
     seed: int  # the seed it was drawn from (:func:`sample_seed`)
-    ids: list[int]  # exactly `length` token ids, context first, question and answer prefix last
+    ids: list[int]  # the zoo's tasks: exactly `length` ids, context first, question and answer prefix last
     answers: list[str]  # the expected strings
     question_tokens: int  # how many of the last ids are the question and answer prefix
     new_tokens: int  # tokens to generate greedily (the same for every sample of one make_samples call)
