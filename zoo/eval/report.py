@@ -313,11 +313,23 @@ def plot_depths(answers: list[dict], path: Path, task: str = "niah_single") -> N
     save_figure(fig, path)
 
 
+def scorings(samples: dict[tuple[str, int, int], Sample]) -> str:
+    """Which scoring each task used (:mod:`zoo.eval.scoring`)."""
+    used: dict[str, set[str]] = {}
+    for sample in samples.values():
+        used.setdefault(sample.meta.get("scoring", "strict"), set()).add(sample.task)
+    said = {"ruler": "`ruler` (RULER's string_match_all: case-insensitive substrings)",
+            "strict": "`strict` (words as whole words, numbers not inside longer digit runs)"}
+    return "Scoring: " + "; ".join(f"{said.get(name, name)} for {', '.join(sorted(tasks))}"
+                                   for name, tasks in sorted(used.items())) + "."
+
+
 def render(results: dict[str, Any], table: list[str]) -> str:
     answers, lengths = results["answers"], common_lengths(results["answers"])
-    lines = ["# zoo eval", "", f"Task average = the mean of the task scores (RULER's recall of the expected strings "
+    lines = ["# zoo eval", "", f"Task average = the mean of the task scores (the share of the expected strings found "
              f"in the greedy answer); the headline averages every task x length cell at {lengths}; intervals are 95% "
-             "Wilson intervals over the pooled samples. Cache bytes per sequence after the answer.", "", *table, "",
+             "Wilson intervals over the pooled samples. Cache bytes per sequence after the answer.", "",
+             scorings(results["samples"]), "", *table, "",
              "## Per task", "", *task_tables(answers), "## The zoo's best policy against kvpress's best press", "",
              *(zoo_against_kvpress(answers, lengths) or ["(no kvpress rows)"]), "", peer_agreement(answers), "",
              "## Policies", "",
