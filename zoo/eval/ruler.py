@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from zoo.eval.tasks.haystack import book_texts
+
 # lm-eval's 13 RULER tasks, by the names its ``ruler`` group uses.
 RULER_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
                "niah_multikey_3", "niah_multivalue", "niah_multiquery", "ruler_vt", "ruler_cwe", "ruler_fwe",
@@ -92,8 +94,6 @@ def essay_haystack(essays: str, note: dict[str, str]) -> Iterator[None]:
     when a task asked for essays. The books enter where the essays would (lm-eval's ``datasets.load_dataset`` call
     for them), so lm-eval joins and splits them as it does the essays."""
     import datasets
-
-    from zoo.eval.tasks.haystack import book_texts
 
     original = datasets.load_dataset
     use_books = essays == "books" or (essays == "auto" and offline())

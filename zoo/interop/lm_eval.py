@@ -18,6 +18,7 @@ import sys
 from lm_eval.__main__ import cli_evaluate
 
 import zoo  # noqa: F401  registers the zoo's attention with transformers before lm-eval loads the model
+from zoo.eval import ruler
 
 
 def main() -> None:
@@ -31,8 +32,6 @@ def main() -> None:
         del argv[at : at + 2]
     context = contextlib.nullcontext()
     if essays is not None:
-        from zoo.eval import ruler
-
         ruler.check_options("ruler", essays, "auto")
         ruler.sentence_model()
         context = ruler.essay_haystack(essays, {})
