@@ -58,8 +58,8 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
         ("deltanet", "gated_deltanet", "gla", "based"),
     ),
     "Composite": (
-        "built from the others: a variant per layer, or a bounded KV cache around an exact variant",
-        ("hybrid", "budget"),
+        "built from the others: a variant per layer or per head, or a bounded KV cache around an exact variant",
+        ("hybrid", "budget", "duo"),
     ),
 }
 
@@ -99,6 +99,8 @@ ABOUT: dict[str, tuple[str, str]] = {
     "budget": ("a bounded KV cache for a pretrained model as it stands: sinks + recent + scored keys",
                "[StreamingLLM](https://arxiv.org/abs/2309.17453), [TOVA](https://arxiv.org/abs/2401.06104), "
                "[H2O](https://arxiv.org/abs/2306.14048), [SnapKV](https://arxiv.org/abs/2404.14469)"),
+    "duo": ("a head-level layout: some KV heads keep every key, the others sinks + recent keys (prefill and cache)",
+            "[Xiao et al. 2024 (DuoAttention)](https://arxiv.org/abs/2410.10819)"),
 }
 
 

@@ -41,7 +41,7 @@ class HeadSplitLayer(BatchMapped, ZooCacheLayer, CacheLayerMixin):
         self.full_index = self.stream_index = None
         self.window_keys = self.window_values = self.sink_keys = self.sink_values = self.sink_have = None
         self.row_start = self.sink_pos = self.key_positions = None
-        self.rows_known = False
+        self.rows_known = self.sinks_complete = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -92,6 +92,8 @@ class HeadSplitLayer(BatchMapped, ZooCacheLayer, CacheLayerMixin):
     def sinks_for_call(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The sinks a call reads: those kept, else those still in the window run. (keys, values, positions (B, S),
         −1 where a row has none yet)."""
+        if self.sinks_complete:  # every row holds its sinks: nothing to gather
+            return self.sink_keys, self.sink_values, self.sink_pos
         first = self.seen - self.window_keys.shape[-2]
         keys, values, found = gather_sinks(self.window_keys, self.window_values, self.sink_pos, first)
         have = self.sink_have[:, None, :, None]
@@ -104,8 +106,10 @@ class HeadSplitLayer(BatchMapped, ZooCacheLayer, CacheLayerMixin):
         """Keep the sinks the call brought, then cut the window to the last ``recent`` keys."""
         if self.window_keys is None:
             return
-        keys, values, positions = self.sinks_for_call()
-        self.sink_keys, self.sink_values, self.sink_have = keys, values, positions >= 0
+        if not self.sinks_complete:
+            keys, values, positions = self.sinks_for_call()
+            self.sink_keys, self.sink_values, self.sink_have = keys, values, positions >= 0
+            self.sinks_complete = bool(self.sink_have.all())
         if self.window_keys.shape[-2] > self.recent:  # a copy, so the longer run's storage is freed
             self.window_keys = self.window_keys[:, :, -self.recent :].clone()
             self.window_values = self.window_values[:, :, -self.recent :].clone()
