@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from zoo.eval.config import expand_contestants
 from zoo.eval.report import headline, policy_robustness, reference_name, zoo_against_kvpress
 from zoo.eval.rows import row_fields, with_fields
-from zoo.eval.scoring import summarize
+from zoo.eval.scoring import paired_share, summarize
 
 
 def _answer(contestant: dict, scores: list[float], task: str = "niah_single", length: int = 1024) -> dict:
@@ -61,3 +63,24 @@ def test_old_records_get_their_fields_from_the_default_names():
     assert old_peer["source"] == "kvpress" and old_peer["decoding"] and old_peer["policy"] == "DecodingPress (KNorm)"
     full = with_fields({"contestant": "full cache", "family": "full", "kept": 1.0})
     assert full["source"] == "zoo" and full["policy"] is None
+
+
+def test_paired_share_interval_is_a_point_for_equal_scores_and_wide_for_few_samples():
+    same = paired_share([[1, 0, 1, 1], [0.5, 1]], [[1, 0, 1, 1], [0.5, 1]])
+    assert same["share"] == same["low"] == same["high"] == 1.0
+    half = paired_share([[1, 0, 1, 0, 1, 0]], [[1, 1, 1, 1, 1, 1]])
+    assert half["share"] == 0.5 and half["low"] < 0.3 and half["high"] > 0.7  # six samples say little
+    many = paired_share([[1, 0] * 200], [[1, 1] * 200])
+    assert many["share"] == 0.5 and many["high"] - many["low"] < 0.15
+    assert paired_share([[1, 1]], [[0, 0]]) is None  # no share of nothing
+    with pytest.raises(ValueError, match="same samples"):
+        paired_share([[1, 1]], [[1, 1, 1]])
+
+
+def test_the_of_full_column_carries_the_paired_interval():
+    full, budget = expand_contestants([{"family": "full"}, {"family": "budget", "policy": "tova", "budgets": [0.5]}])
+    answers = [_answer(full, [1, 1, 1, 1]), _answer(budget, [1, 1, 0, 0])]
+    table, records = headline(_results(answers))
+    paired = {r["contestant"]: r["share_of_full_paired"] for r in records}
+    assert paired[full["name"]]["low"] == 1.0 and paired[budget["name"]]["share"] == 0.5
+    assert "of full [paired 95%]" in table[0] and "| 50% [" in table[3]

@@ -16,7 +16,7 @@ from typing import Any
 
 from zoo.bench.report import write_report
 from zoo.eval.rows import FIELDS, is_peer_reference, is_reference, with_fields
-from zoo.eval.scoring import intervals_overlap, sample_score, summarize
+from zoo.eval.scoring import intervals_overlap, paired_share, sample_score, summarize
 from zoo.eval.tasks import Sample
 from zoo.reporting import human_bytes, markdown_table, pyplot, read_jsonl, save_figure, write_csv
 
@@ -103,6 +103,24 @@ def overall(answers: list[dict], lengths: list[int], cells: set[tuple[str, int]]
     return result
 
 
+def shares_of_reference(answers: list[dict], lengths: list[int]) -> dict[str, dict | None]:
+    """contestant -> its share of the reference's score over the reference's cells at ``lengths``, with the paired
+    bootstrap interval (:func:`~zoo.eval.scoring.paired_share`); only contestants that answered every such cell with
+    the reference's sample count."""
+    name = reference_name(answers)
+    cells = sorted(reference_cells(answers, lengths))
+    if name is None or not cells:
+        return {}
+    by_key = {(r["contestant"], r["task"], r["length"]): r["scores"] for r in answers}
+    theirs = [by_key[(name, *cell)] for cell in cells]
+    shares = {}
+    for contestant in dict.fromkeys(r["contestant"] for r in answers):
+        mine = [by_key.get((contestant, *cell)) for cell in cells]
+        if all(m is not None and len(m) == len(t) for m, t in zip(mine, theirs, strict=True)):
+            shares[contestant] = paired_share(mine, theirs)
+    return shares
+
+
 def common_lengths(answers: list[dict]) -> list[int]:
     """The lengths at which more than one task was measured (the headline average's; a length of one task alone,
     such as a long needle check, is left to the per-task tables)."""
@@ -133,23 +151,27 @@ def headline(results: dict[str, Any]) -> tuple[list[str], list[dict]]:
     longest = max(lengths) if lengths else None
     bytes_at = {r["contestant"]: r["cache_bytes"] for r in answers if r["length"] == longest}
     tasks_at = {n: len({r["task"] for r in answers if r["length"] == n}) for n in lengths}
+    shares = shares_of_reference(answers, lengths)
     header = ["contestant", "kept", *[f"avg {n} ({tasks_at[n]} tasks)" for n in lengths], "average [95% CI]", "cells",
-              "of full",
+              "of full [paired 95%]",
               f"cache at {longest}", "prefill s", "decode ms/token", "peak RSS"]
     rows, records = [], []
     for name, summary in total.items():
         fast = speed.get(name, {})
         share = summary["score"] / reference if reference else None
+        paired = shares.get(name)
         cells = [f"{per_length[name][n]['score']:.2f}" if n in per_length[name] else "–" for n in lengths]
         rows.append([name, _kept(info[name]), *cells, _cell(summary), summary["cells"],
-                     "–" if share is None else f"{share:.0%}",
+                     "–" if share is None else f"{share:.0%}" + (
+                         f" [{paired['low']:.0%}, {paired['high']:.0%}]" if paired else ""),
                      human_bytes(bytes_at[name]) if name in bytes_at else "–",
                      f"{fast['prefill_s']:.2f}" if "prefill_s" in fast else "–",
                      f"{fast['ms_per_token']:.1f}" if "ms_per_token" in fast else "–",
                      human_bytes(fast["peak_rss_bytes"]) if "peak_rss_bytes" in fast else "–"])
         records.append({"contestant": name, **{k: info[name][k] for k in FIELDS}, "kept": info[name].get("kept"),
                         **{f"avg_{n}": per_length[name].get(n, {}).get("score") for n in lengths}, **summary,
-                        "share_of_full": share, "cache_bytes": bytes_at.get(name), **{k: fast.get(k) for k in (
+                        "share_of_full": share, "share_of_full_paired": paired, "cache_bytes": bytes_at.get(name),
+                        **{k: fast.get(k) for k in (
                             "prefill_s", "ms_per_token", "peak_rss_bytes")}})
     return markdown_table(header, rows), records
 

@@ -1,5 +1,5 @@
-"""Scoring ``zoo eval`` answers (recall of the expected strings in the greedy output), and the Wilson score interval
-of a task's mean score.
+"""Scoring ``zoo eval`` answers (recall of the expected strings in the greedy output), the Wilson score interval
+of a task's mean score, and a contestant's share of the reference's score with a paired bootstrap interval.
 
 Two scorings (a sample's ``meta["scoring"]`` names its own; the report says which each row used):
 
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 import re
+
+import torch
 
 
 def _pattern(answer: str) -> re.Pattern[str]:
@@ -109,3 +111,31 @@ def summarize(scores: list[float]) -> dict:
 def intervals_overlap(a: dict, b: dict) -> bool:
     """Whether two :func:`summarize` results' intervals overlap (touching counts as overlapping)."""
     return a["low"] <= b["high"] and b["low"] <= a["high"]
+
+
+def paired_share(scores: list[list[float]], reference: list[list[float]], resamples: int = 2000,
+                 seed: int = 0) -> dict | None:
+    """A contestant's score as a share of the reference's on the same samples, with a paired 95% bootstrap interval.
+
+    ``scores`` and ``reference`` hold one list per task x length cell, sample by sample in the same order (the same
+    prompts). Each resample draws the samples of every cell with replacement, the same draw for both (paired), and
+    takes the ratio of the two means over all cells; the interval is its 2.5th and 97.5th percentiles. None when the
+    reference scores 0 (no share to state).
+
+    Returns:
+        ``{"share": ..., "low": ..., "high": ..., "resamples": ...}``.
+    """
+    if [len(cell) for cell in scores] != [len(cell) for cell in reference]:
+        raise ValueError("paired_share: the contestant and the reference must have the same samples in each cell")
+    mine, theirs = (torch.tensor([s for cell in x for s in cell], dtype=torch.float64) for x in (scores, reference))
+    if float(theirs.sum()) == 0:
+        return None
+    generator = torch.Generator().manual_seed(seed)
+    draws, start = [], 0
+    for cell in reference:  # stratified: every cell keeps its sample count
+        draws.append(start + torch.randint(len(cell), (resamples, len(cell)), generator=generator))
+        start += len(cell)
+    index = torch.cat(draws, dim=1)
+    ratio = mine[index].sum(1) / theirs[index].sum(1).clamp_min(1e-12)
+    low, high = torch.quantile(ratio, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return {"share": float(mine.sum() / theirs.sum()), "low": low, "high": high, "resamples": resamples}
