@@ -16,11 +16,13 @@ streaming head, counted by ``zoo.cache_nbytes``.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 import torch
 
-from zoo.cache import HeadSplitLayer
+from zoo.cache import BudgetedLayer, HeadSplitLayer
 from zoo.ops import allowed_mask, expand_kv, softmax_attention
 from zoo.ops.streaming import gather_sinks, sink_positions, streaming_attention
 from zoo.registry import get_variant_class
@@ -42,6 +44,9 @@ class DuoAttention(Variant):
         "sinks": Param(4, int, "first real tokens of each row every streaming head keeps", min=0),
         "recent": Param(256, int, "latest tokens (the query's own included) every streaming head keeps", min=1),
         "inner": Param("sdpa", str, "the exact full-attention variant of the full heads"),
+        "full_budget": Param(None, dict, "decoding only: a budget on the full heads' cache, {'budget': share of the "
+                             "prompt kept, or 'tokens': count, 'policy': 'snapkv', 'sinks': 4, 'recent': 64}",
+                             optional=True),
     }
     test_params = {"full_heads": [[0]], "sinks": 2, "recent": 8}
 
@@ -62,6 +67,40 @@ class DuoAttention(Variant):
             raise VariantParameterError(f"attention-zoo variant 'duo': parameter 'inner' = {self.inner!r} is not an "
                                         "exact full-attention variant; use 'sdpa' or 'dense'.")
         self.inner_variant = inner
+        self.budget_variant = self._budget_variant()
+
+    def _budget_variant(self) -> Variant | None:
+        """The ``budget`` variant that runs the full heads over a budgeted cache (None without ``full_budget``)."""
+        spec = self.full_budget
+        if spec is None:
+            return None
+        unknown = set(spec) - {"budget", "tokens", "policy", "sinks", "recent"}
+        share = spec.get("budget")
+        if unknown or (share is None) == (spec.get("tokens") is None) or (
+                share is not None and not 0 < share <= 1):
+            raise VariantParameterError(
+                f"attention-zoo variant 'duo': parameter 'full_budget' = {spec!r} must give either 'budget' (the "
+                "share of the prompt the full heads keep, in (0, 1]) or 'tokens', plus optional 'policy', 'sinks', "
+                "'recent'; e.g. {'budget': 0.25, 'policy': 'snapkv'}.")
+        options = {key: spec[key] for key in ("policy", "sinks", "recent") if key in spec}
+        try:
+            return get_variant_class("budget")(inner=self.inner, tokens=spec.get("tokens") or 10**9, **options)
+        except VariantParameterError as exc:
+            raise VariantParameterError(f"attention-zoo variant 'duo': parameter 'full_budget': {exc}") from exc
+
+    def _budgeted_layer(self, max_positions: int | None):
+        """``prompt length -> BudgetedLayer`` for the full heads: keeps ``budget`` of the prompt (at least the sinks
+        and the recent keys) or ``tokens``."""
+        budget = self.budget_variant
+
+        def build(prompt: int) -> BudgetedLayer:
+            share = self.full_budget.get("budget")
+            floor = budget.sinks + budget.recent
+            tokens = max(floor, math.ceil(share * prompt)) if share is not None else budget.tokens
+            return BudgetedLayer(tokens, budget.sinks, budget.recent, budget.kv_policy, budget.slack,
+                                 max_positions=max_positions)
+
+        return build
 
     def heads_of(self, layer_idx: int, kv_heads: int | None = None) -> list[int]:
         """The KV heads layer ``layer_idx`` keeps full (checked against ``kv_heads`` when given)."""
@@ -101,8 +140,10 @@ class DuoAttention(Variant):
 
     def cache_layer(self, layer_idx: int, config: Any) -> HeadSplitLayer:
         kv_heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
-        return HeadSplitLayer(self.heads_of(layer_idx, kv_heads), self.sinks, self.recent,
-                              max_positions=getattr(config, "max_position_embeddings", None))
+        positions = getattr(config, "max_position_embeddings", None)
+        budgeted = self._budgeted_layer(positions) if self.budget_variant is not None else None
+        return HeadSplitLayer(self.heads_of(layer_idx, kv_heads), self.sinks, self.recent, max_positions=positions,
+                              full_budget=budgeted)
 
     def reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         """Softmax restricted to the layout, per query head (O(n²), tests only): a full head sees every key; a
@@ -138,7 +179,12 @@ class DuoAttention(Variant):
             else:
                 index = torch.tensor(full, dtype=torch.long, device=q.device)
                 keys, values = k.index_select(1, index), v.index_select(1, index)
-            outs.append(self.inner_variant.attend(q.index_select(1, queries), keys, values, call))
+            if layer is not None and isinstance(layer.full, BudgetedLayer):  # its keys, then its eviction
+                out = self.budget_variant.attend(q.index_select(1, queries), keys, values,
+                                                 dataclasses.replace(call, cache=layer.full))
+            else:
+                out = self.inner_variant.attend(q.index_select(1, queries), keys, values, call)
+            outs.append(out)
             order.append(queries)
         if streaming:
             queries = _query_heads(streaming, group, q.device)

@@ -113,3 +113,33 @@ def test_layouts_that_do_not_fit_are_refused_at_configure(params, named):
     with pytest.raises(VariantParameterError, match=named):
         zoo.configure(transformers.AutoModelForCausalLM.from_config(config), "duo",
                       **{"full_heads": [[0]], **params})
+
+
+def test_a_budget_on_the_full_heads_bounds_them_and_decodes_like_budget_alone():
+    """``full_budget`` keeps what ``budget`` would of the full heads: with every head full it is ``budget`` itself
+    (same tokens, same bytes); with one head full its cache grows by a quarter of the prompt on that head only."""
+    ids, mask = testing.decode_prompts(length=60)
+    options = {"policy": "snapkv", "sinks": 2, "recent": 8}
+    with torch.no_grad():
+        duo = decoder(full_heads=[[0, 1]], sinks=2, recent=8, full_budget={"tokens": 24, **options})
+        budget = testing.causal_lm("budget", tokens=24, **options)
+        got = testing.greedy(duo, ids, mask, return_dict_in_generate=True)
+        want = testing.greedy(budget, ids, mask, return_dict_in_generate=True)
+        assert torch.equal(got.sequences, want.sequences)
+        assert cache_nbytes(got.past_key_values) == cache_nbytes(want.past_key_values)
+        one = decoder(full_heads=[[0]], sinks=2, recent=8, full_budget={"budget": 0.25, **options})
+        caches = [testing.greedy(one, ids[:, :n], mask[:, :n], return_dict_in_generate=True).past_key_values
+                  for n in (40, 60)]
+    layers = [cache.layers[0].full for cache in caches]
+    assert [layer.tokens for layer in layers] == [10, 15]  # a quarter of each prompt
+    assert all(layer.keys.shape[-2] <= layer.tokens + layer.slack for layer in layers)
+    assert cache_nbytes(caches[0]) < cache_nbytes(caches[1])
+
+
+@pytest.mark.parametrize("spec, named", [({"budget": 0}, "in \\(0, 1\\]"), ({}, "either 'budget'"),
+                                         ({"budget": 0.5, "tokens": 9}, "either 'budget'"),
+                                         ({"budget": 0.5, "window": 3}, "either 'budget'"),
+                                         ({"budget": 0.5, "policy": "nope"}, "full_budget")])
+def test_bad_full_budgets_are_refused(spec, named):
+    with pytest.raises(VariantParameterError, match=named):
+        DuoAttention(full_heads=[[0]], full_budget=spec)

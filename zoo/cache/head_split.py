@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from zoo.cache.budgeted import PositionsExhaustedError
+from zoo.cache.budgeted import BudgetedLayer, PositionsExhaustedError
 from zoo.cache.growing import GrowingLayer
 from zoo.cache.protocol import BatchMapped, CacheRollbackError, ZooCacheLayer, hand_to_kernel, tensor_bytes
 from zoo.ops.streaming import gather_sinks, sink_positions
@@ -17,10 +17,12 @@ from zoo.ops.streaming import gather_sinks, sink_positions
 
 class HeadSplitLayer(BatchMapped, ZooCacheLayer, CacheLayerMixin):
     """Per KV head what its attention reaches: the ``full_heads`` (KV head indices) every key, in a
-    :class:`GrowingLayer` (amortized appends); every other KV head the first ``sinks`` real tokens of each row
-    (``sink_keys``/``sink_values`` (B, Hs, sinks, d), ``sink_have`` (B, sinks)) and the latest keys (``window_keys``,
-    ``window_values`` (B, Hs, L, d) at positions ``seen − L .. seen − 1``), cut to the last ``recent`` once each call is
-    done. ``update`` returns the new keys and values only; the kernel reads the layer (``call.cache``).
+    :class:`GrowingLayer` (amortized appends), or what a :class:`BudgetedLayer` keeps of them (``full_budget``: the
+    prompt's length -> the layer, e.g. SnapKV on the full heads); every other KV head the first ``sinks`` real
+    tokens of each row (``sink_keys``/``sink_values`` (B, Hs, sinks, d), ``sink_have`` (B, sinks)) and the latest
+    keys (``window_keys``, ``window_values`` (B, Hs, L, d) at positions ``seen − L .. seen − 1``), cut to the last
+    ``recent`` once each call is done. ``update`` returns the new keys and values only; the kernel reads the layer
+    (``call.cache``).
 
     The plug's key positions (``key_positions``) are every position while some head is full, else the window's, so
     the padding mask handed to the kernel ends with the window's columns either way. A bounded layer bounds memory,
@@ -30,9 +32,11 @@ class HeadSplitLayer(BatchMapped, ZooCacheLayer, CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, full_heads: list[int], sinks: int, recent: int, max_positions: int | None = None) -> None:
+    def __init__(self, full_heads: list[int], sinks: int, recent: int, max_positions: int | None = None,
+                 full_budget: Callable[[int], BudgetedLayer] | None = None) -> None:
         super().__init__()
         self.full_heads, self.sinks, self.recent, self.max_positions = list(full_heads), sinks, recent, max_positions
+        self.full_budget = full_budget
         self._clear()
 
     def _clear(self) -> None:
@@ -49,7 +53,9 @@ class HeadSplitLayer(BatchMapped, ZooCacheLayer, CacheLayerMixin):
         streaming = [head for head in range(kv_heads) if head not in self.full_heads]
         self.full_index = torch.tensor(self.full_heads, dtype=torch.long, device=self.device)
         self.stream_index = torch.tensor(streaming, dtype=torch.long, device=self.device)
-        self.full = GrowingLayer() if self.full_heads else None
+        self.full = None
+        if self.full_heads:  # a budget on the full heads is sized by the first call (the prompt)
+            self.full = self.full_budget(key_states.shape[-2]) if self.full_budget else GrowingLayer()
         if streaming:
             batch, dim = key_states.shape[0], key_states.shape[-1]
             self.window_keys = key_states.new_empty(batch, len(streaming), 0, dim)
@@ -71,7 +77,11 @@ class HeadSplitLayer(BatchMapped, ZooCacheLayer, CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.full is not None:
-            self.full.update(key_states.index_select(1, self.full_index), value_states.index_select(1, self.full_index))
+            keys, values = key_states.index_select(1, self.full_index), value_states.index_select(1, self.full_index)
+            if isinstance(self.full, BudgetedLayer):
+                self.full.update(keys, values, kwargs={})  # the kernel reaches it through this layer
+            else:
+                self.full.update(keys, values)
         if self.window_keys is not None:
             self.window_keys = torch.cat([self.window_keys, key_states.index_select(1, self.stream_index)], dim=-2)
             self.window_values = torch.cat([self.window_values, value_states.index_select(1, self.stream_index)],
@@ -81,6 +91,11 @@ class HeadSplitLayer(BatchMapped, ZooCacheLayer, CacheLayerMixin):
         held = self.seen if self.full is not None else self.window_keys.shape[-2]
         self.key_positions = torch.arange(self.seen - held, self.seen, device=self.device)
         return key_states, value_states
+
+    def key_columns(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        if isinstance(self.full, BudgetedLayer):  # it marks the call's padding tokens as never kept
+            self.full.key_columns(attention_mask)
+        return super().key_columns(attention_mask)
 
     def set_row_start(self, row_start: torch.Tensor | None) -> None:
         self.row_start = row_start
@@ -122,17 +137,17 @@ class HeadSplitLayer(BatchMapped, ZooCacheLayer, CacheLayerMixin):
                 setattr(self, name, fn(value))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
+        BatchMapped.reorder_cache(self, beam_idx)
         if self.full is not None:
             self.full.reorder_cache(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
+        BatchMapped.batch_repeat_interleave(self, repeats)
         if self.full is not None:
             self.full.batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
+        BatchMapped.batch_select_indices(self, indices)
         if self.full is not None:
             self.full.batch_select_indices(indices)
 
@@ -151,6 +166,8 @@ class HeadSplitLayer(BatchMapped, ZooCacheLayer, CacheLayerMixin):
 
     def nbytes(self) -> int:
         held = [self.window_keys, self.window_values, self.sink_keys, self.sink_values, self.sink_have]
+        if isinstance(self.full, BudgetedLayer):
+            return tensor_bytes(held) + self.full.nbytes()
         if self.full is not None:
             held += [self.full.keys, self.full.values, *(self.full.buffers or ())]
         return tensor_bytes(held)
