@@ -21,6 +21,7 @@ import math
 from typing import Any
 
 import torch
+from zoo.variants.sdpa import grouped_rows_sdpa
 
 from zoo.cache import BudgetedLayer, HeadSplitLayer
 from zoo.ops import allowed_mask, expand_kv, softmax_attention
@@ -196,10 +197,13 @@ class DuoAttention(Variant):
         return torch.cat(outs, dim=1).index_select(1, inverse)
 
     def _streaming(self, q, k, v, streaming: list[int], layer: HeadSplitLayer | None, call: AttentionCall):
-        """The streaming heads' attention over the layer's window and sinks, or over k/v (no cache)."""
+        """The streaming heads' attention over the layer's sinks and window, or over k/v (no cache)."""
         real = call.padding_mask
+        if layer is not None and q.shape[-2] == 1 and layer.fast(real):  # every held key, no mask
+            return grouped_rows_sdpa(q, layer.stream_keys, layer.stream_values, None, call)
         if layer is not None:
-            keys, values, end = layer.window_keys, layer.window_values, layer.seen
+            keys, values = layer.window_run()
+            end = layer.seen
             sink_keys, sink_values, sink_pos = layer.sinks_for_call()
         else:
             index = torch.tensor(streaming, dtype=torch.long, device=q.device)

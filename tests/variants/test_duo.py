@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from zoo.variants import duo as duo_module
 from zoo.variants.duo import DuoAttention
+from zoo.variants.sdpa import grouped_rows_sdpa
 
 import zoo
 from zoo import testing
@@ -143,3 +145,16 @@ def test_a_budget_on_the_full_heads_bounds_them_and_decodes_like_budget_alone():
 def test_bad_full_budgets_are_refused(spec, named):
     with pytest.raises(VariantParameterError, match=named):
         DuoAttention(full_heads=[[0]], full_budget=spec)
+
+
+def test_unpadded_decoding_reads_the_whole_buffer_without_a_mask_and_equals_the_full_forward(monkeypatch):
+    model = decoder(full_heads=[[1], []], sinks=2, recent=8)
+    ids, _ = testing.decode_prompts()
+    mask = torch.ones_like(ids)
+    calls = []
+    monkeypatch.setattr(duo_module, "grouped_rows_sdpa", lambda *args: calls.append(1) or grouped_rows_sdpa(*args))
+    with torch.no_grad():
+        cached = testing.greedy(model, ids, mask)
+        full = testing.greedy(model, ids, mask, use_cache=False)
+    assert torch.equal(cached, full)
+    assert len(calls) == 2 * (testing.DECODE_NEW_TOKENS - 1)  # every decoding step of both layers
