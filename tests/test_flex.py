@@ -83,6 +83,16 @@ def test_flex_follows_per_batch_global_tokens():
     assert not torch.allclose(out, run(variant, q, k, v, without, "flex"), atol=1e-3)  # the globals mattered
 
 
+def test_an_unpadded_batch_runs_past_its_length():
+    """Batch 2 without a padding mask, n = 100 run at 128 tokens (the CPU bucket): the keys past n are hidden by one
+    row of key padding, read by every batch row (indexed per batch row, it read past its end)."""
+    variant = make_variant("xformers")
+    q, k, v, _ = gqa_inputs(padding=None)
+    call = make_call(True, heads=HEADS)
+    out = run(variant, q, k, v, call, "flex")
+    torch.testing.assert_close(out, reference(variant, q, *expand_kv(k, v, HEADS), call), atol=1e-5, rtol=1e-4)
+
+
 def test_a_plugin_with_only_a_pattern_runs_on_flex():
     variant = BandOnlyPattern()
     q, k, v, mask = gqa_inputs()

@@ -10,8 +10,13 @@ Set with :func:`attention_backend` (a context manager):
 * ``"flex"``: every call of an exact pattern variant through Flex; a call it cannot run raises, naming why (tests
   and benchmarks). A call compiled Flex would run eagerly (past dynamo's recompile limit: O(n²) scores) raises
   under ``"flex"`` and takes the chunked kernel, with one log line, under ``"auto"`` (:func:`after_flex_failure`).
-  Variants without a pattern (dense, approximate) run their own kernel under every backend.
+  Variants without a pattern (dense, approximate) run their own kernel under every backend, except the
+  content-chosen ``moba`` and ``nsa``, whose kernels read the same setting and build their Flex block masks from the
+  blocks they choose (:mod:`zoo.ops.backends.flex_blocks`).
 * ``"chunked"``: the variant's own kernel (``Variant.attend``) always.
+
+The setting and the lists of what was measured live in :mod:`zoo.ops.backends.choice` (the kernels below the plug
+read them); this module re-exports them.
 """
 
 from __future__ import annotations
@@ -19,30 +24,27 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 from collections.abc import Iterator
 
 import torch
 
 from zoo.call import AttentionCall
-from zoo.ops.backends.flex import DTYPES
+from zoo.ops.backends.choice import (  # the setting lives in the ops layer: content-chosen kernels read it too
+    BACKENDS,
+    CPU_CROSSOVER,
+    CUDA_MEASURED,
+    SETTINGS,
+    FlexUnavailableError,
+    compiled,
+    flex_reason,
+    measured,
+)
 from zoo.pattern import Pattern
 from zoo.variant import Variant
 
 logger = logging.getLogger(__name__)
-
-BACKENDS = ("auto", "flex", "chunked")
-# CPU, eval forward: the length from which compiled Flex beat the variant's chunked kernel (measured, see README).
-# A variant not listed keeps its chunked kernel on CPU under "auto".
-CPU_CROSSOVER: dict[str, int] = {}
-# CUDA: the variants whose Flex path compiled and beat their chunked kernel in scripts/gpu_check.sh (none measured yet).
-CUDA_MEASURED: frozenset[str] = frozenset()
-
-_settings = {"backend": "auto", "compiled": True}
-
-
-class FlexUnavailableError(ValueError):
-    """``attention_backend("flex")`` was forced for a call FlexAttention cannot run."""
+__all__ = ["BACKENDS", "CPU_CROSSOVER", "CUDA_MEASURED", "FlexUnavailableError", "attention_backend", "compiled",
+           "flex_pattern", "unsupported_reason"]
 
 
 @contextlib.contextmanager
@@ -53,32 +55,19 @@ def attention_backend(backend: str, compiled: bool = True) -> Iterator[None]:
     """
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is unknown; use one of {', '.join(BACKENDS)}.")
-    saved = dict(_settings)
-    _settings.update(backend=backend, compiled=compiled)
+    saved = dict(SETTINGS)
+    SETTINGS.update(backend=backend, compiled=compiled)
     try:
         yield
     finally:
-        _settings.update(saved)
-
-
-def compiled() -> bool:
-    """Whether Flex runs compiled (False only inside ``attention_backend(..., compiled=False)``)."""
-    return _settings["compiled"]
+        SETTINGS.update(saved)
 
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> str | None:
     """Why Flex cannot run this call of an exact pattern variant (None: it can)."""
-    if q.shape[-2] != k.shape[-2]:
-        return "decoding step (fewer queries than keys): the variant's cache path runs"
-    if call.weights is not None:
+    if q.shape[-2] == k.shape[-2] and call.weights is not None:
         return "the variant has learned per-layer weights its pattern does not describe"
-    if q.dtype not in DTYPES:
-        return f"dtype {q.dtype} (Flex takes fp32, bf16 and fp16)"
-    if call.training and call.dropout > 0:
-        return f"attention dropout p={call.dropout:g} (FlexAttention has none, pytorch#141784)"
-    if q.device.type == "cpu" and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        return "a gradient is needed and FlexAttention has no backward on CPU"
-    return None
+    return flex_reason(q, k, v, call)
 
 
 def flex_pattern(
@@ -86,8 +75,8 @@ def flex_pattern(
 ) -> Pattern | None:
     """The pattern to run on Flex for this call under the current backend, or None for the variant's own kernel
     (forced ``"flex"`` raises when Flex cannot run the call). The pattern is built once, here."""
-    backend = _settings["backend"]
-    if backend == "chunked" or (backend == "auto" and not _auto_may_pick_flex(variant, q)):
+    backend = SETTINGS["backend"]
+    if backend == "chunked" or (backend == "auto" and not measured(variant.name, q)):
         return None
     if not variant.exact:  # an approximate variant is no restricted softmax
         return None
@@ -108,17 +97,10 @@ def flex_pattern(
     return None
 
 
-def _auto_may_pick_flex(variant: Variant, q: torch.Tensor) -> bool:
-    """Only where measured: CUDA for :data:`CUDA_MEASURED`, CPU from :data:`CPU_CROSSOVER` (checked first)."""
-    if q.is_cuda:
-        return variant.name in CUDA_MEASURED
-    return q.shape[-2] >= CPU_CROSSOVER.get(variant.name, math.inf)
-
-
 def after_flex_failure(variant: Variant, error: Exception) -> None:
     """Flex could not run a call it was picked for (``zoo.ops.backends.flex.FlexRecompileLimitError``): under a forced
     ``"flex"`` raise, naming why; otherwise log once and let the variant's chunked kernel run it."""
-    if _settings["backend"] == "flex":
+    if SETTINGS["backend"] == "flex":
         raise FlexUnavailableError(
             f"attention_backend('flex') was forced, but attention-zoo variant {variant.name!r} cannot run this call "
             f"on FlexAttention: {error}. Raise torch._dynamo.config.recompile_limit above the number of distinct "

@@ -58,10 +58,18 @@ def attend(pattern: Pattern, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     n = q.shape[-2]
     length = bucket_length(n, q.device)
     block_mask = block_mask_for(pattern, call, q.shape[0], q.shape[1], n, q.device, length)
-    if length > n:  # the mask hides the padded keys; the padded query rows are cut off
-        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, length - n)) for x in (q, k, v))
+    return run(block_mask, q, k, v, call.scaling, compiled, length, length)
+
+
+def run(block_mask: BlockMask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+        compiled: bool = True, length: int | None = None, kv_length: int | None = None) -> torch.Tensor:
+    """One FlexAttention call of ``block_mask`` (built for q padded to ``length`` tokens and k/v to ``kv_length``;
+    default: as given), the padded query rows cut off; compiled, never eager past dynamo's recompile limit."""
+    n = q.shape[-2]
+    q = _padded(q, length)
+    k, v = _padded(k, kv_length), _padded(v, kv_length)
     kernel = _compiled_flex(q.device.type == "cuda") if compiled else flex_attention
-    arguments = dict(block_mask=block_mask, scale=call.scaling, enable_gqa=q.shape[1] != k.shape[1])
+    arguments = dict(block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     if not compiled:
         out = kernel(q, k, v, **arguments)
     else:  # past dynamo's recompile limit flex_attention would run eager (B·H·n² scores): raise instead
@@ -74,7 +82,14 @@ def attend(pattern: Pattern, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                 f"({torch._dynamo.config.recompile_limit}) compilations (one per distinct pattern and length "
                 "bucket): past it FlexAttention would run eagerly and build every n x n score"
             ) from exc
-    return out[:, :, :n] if length > n else out
+    return out[:, :, :n] if out.shape[-2] > n else out
+
+
+def _padded(x: torch.Tensor, length: int | None) -> torch.Tensor:
+    """(..., n, D) padded with zeros to ``length`` tokens (the block mask hides them)."""
+    if length is None or length <= x.shape[-2]:
+        return x
+    return torch.nn.functional.pad(x, (0, 0, 0, length - x.shape[-2]))
 
 
 class FlexRecompileLimitError(RuntimeError):
@@ -143,7 +158,7 @@ def build_block_mask(
     else:
         counts = pattern_tile_counts(pattern, batch, heads, n, device)
         kernel_pattern = pattern.mask_mod
-    return _to_block_mask(kernel_pattern, counts, causal, padding_mask, n, length)
+    return to_block_mask(kernel_pattern, counts, causal, padding_mask, n, length)
 
 
 def block_table(pattern: Pattern, batch: int, heads: int, n: int, device) -> torch.Tensor:
@@ -168,9 +183,7 @@ def _tile_counts_of_blocks(blocks: torch.Tensor, block: int, n: int,
     blocks of row b from ``origin[b]`` on; tokens before it belong to no block: their pairs count as not allowed)."""
     position = torch.arange(n, device=blocks.device)
     if origin is None:
-        overlap = torch.zeros(math.ceil(n / FLEX_BLOCK), blocks.shape[-1], device=blocks.device)
-        ones = torch.ones(n, device=blocks.device)
-        overlap.index_put_((position // FLEX_BLOCK, position // block), ones, accumulate=True)
+        overlap = tile_overlap(n, block, blocks.shape[-1], blocks.device)
         return (overlap @ blocks.float() @ overlap.T).round().to(torch.int32)
     origin = origin.to(blocks.device)
     rank = position[None, :] - origin[:, None]  # (B, n)
@@ -181,6 +194,14 @@ def _tile_counts_of_blocks(blocks: torch.Tensor, block: int, n: int,
     overlap.index_put_((rows, (position // FLEX_BLOCK).expand_as(rank), block_of), inside, accumulate=True)
     overlap = overlap[:, None]  # (B, 1, nt, nb)
     return (overlap @ blocks.float() @ overlap.transpose(-1, -2)).round().to(torch.int32)
+
+
+def tile_overlap(n: int, block: int, blocks: int, device) -> torch.Tensor:
+    """(nt, blocks) fp32: tokens below n in both FLEX_BLOCK tile t and block i of ``block`` tokens from 0."""
+    position = torch.arange(n, device=device)
+    overlap = torch.zeros(math.ceil(n / FLEX_BLOCK), blocks, device=device)
+    overlap.index_put_((position // FLEX_BLOCK, position // block), torch.ones(n, device=device), accumulate=True)
+    return overlap
 
 
 def candidate_tiles(pattern: Pattern, batch: int, n: int, device) -> torch.Tensor:
@@ -299,50 +320,54 @@ def _key_padding(padding_mask: torch.Tensor) -> MaskMod:
     """transformers' ``padding_mask_function`` on a flattened (batch, n) mask (see :func:`_block_lookup`)."""
     n = padding_mask.shape[-1]
     real = padding_mask.flatten()
+    if padding_mask.shape[0] == 1:  # one row for every batch row (the keys past n of an unpadded batch)
+        return lambda b, h, q_idx, kv_idx: real[kv_idx]
     return lambda b, h, q_idx, kv_idx: real[b * n + kv_idx]
 
 
-def _to_block_mask(
+def to_block_mask(
     pattern: MaskMod, counts: torch.Tensor, causal: bool, padding_mask: torch.Tensor | None, n: int,
-    length: int, block: int = FLEX_BLOCK,
+    length: int, block: int = FLEX_BLOCK, keys: tuple[int, int] | None = None,
 ) -> BlockMask:
     """BlockMask over ``length`` >= n tokens from the pattern's tile counts over the first n, causality and the key
     padding (tile level: a tile is full when every pair is allowed, below the diagonal under causality and every key
     real; empty when no pair is allowed, above the diagonal under causality or no key real; keys from n on are
-    padding)."""
-    counts = _pad_tiles(counts, math.ceil(length / block))
+    padding). ``keys``: (kv_n, kv_length) where the keys are not the queries (``padding_mask`` then covers kv_n)."""
+    kv_n, kv_length = keys or (n, length)
+    counts = _pad_tiles(counts, math.ceil(length / block), math.ceil(kv_length / block))
     full = counts == block * block
     partial = counts > 0
-    parts = [pattern if length == n else _within(pattern, n, counts.device)]
+    parts = [pattern if (length, kv_length) == (n, kv_n) else _within(pattern, n, kv_n, counts.device)]
     if causal:
         tile = torch.arange(counts.shape[-1], device=counts.device)
         full, partial = full & (tile[None, :] < tile[:, None]), partial & (tile[None, :] <= tile[:, None])
         parts.append(causal_mask_function)
-    if padding_mask is not None or length > n:
-        real = padding_mask if padding_mask is not None else torch.ones(1, n, dtype=torch.bool)
-        real = torch.nn.functional.pad(real.to(device=counts.device, dtype=torch.bool), (0, length - n))
-        real_per_tile = torch.nn.functional.pad(real, (0, -length % block)).unflatten(-1, (-1, block)).sum(-1)
+    if padding_mask is not None or kv_length > kv_n:
+        real = padding_mask if padding_mask is not None else torch.ones(1, kv_n, dtype=torch.bool)
+        real = torch.nn.functional.pad(real.to(device=counts.device, dtype=torch.bool), (0, kv_length - kv_n))
+        real_per_tile = torch.nn.functional.pad(real, (0, -kv_length % block)).unflatten(-1, (-1, block)).sum(-1)
         real_per_tile = real_per_tile[:, None, None, :]  # (B, 1, 1, tiles)
         full, partial = full & (real_per_tile == block), partial & (real_per_tile > 0)
         parts.append(_key_padding(real))
     partial = partial & ~full
     mask_mod = and_masks(*parts) if len(parts) > 1 else parts[0]
     return BlockMask.from_kv_blocks(
-        *_ordered(partial), *_ordered(full), BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(length, length)
+        *_ordered(partial), *_ordered(full), BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(length, kv_length)
     )
 
 
-def _within(pattern: MaskMod, n: int, device) -> MaskMod:
-    """``pattern`` on inputs padded beyond n: positions clamped into [0, n) (its captured tensors have n entries);
-    the key padding hides the padded keys, and the padded query rows are cut off. The bound is a tensor, so the
-    compiled kernel does not specialize on n."""
-    last = torch.tensor(n - 1, device=device)
-    return lambda b, h, q_idx, kv_idx: pattern(b, h, torch.minimum(q_idx, last), torch.minimum(kv_idx, last))
+def _within(pattern: MaskMod, n: int, kv_n: int, device) -> MaskMod:
+    """``pattern`` on inputs padded beyond n queries and kv_n keys: positions clamped into range (its captured
+    tensors have n or kv_n entries); the key padding hides the padded keys, and the padded query rows are cut off. The
+    bounds are tensors, so the compiled kernel does not specialize on them."""
+    last, last_key = torch.tensor(n - 1, device=device), torch.tensor(kv_n - 1, device=device)
+    return lambda b, h, q_idx, kv_idx: pattern(b, h, torch.minimum(q_idx, last), torch.minimum(kv_idx, last_key))
 
 
-def _pad_tiles(tiles: torch.Tensor, count: int) -> torch.Tensor:
-    """(..., nb, nb) tile table padded with zeros / False to (..., count, count)."""
-    return torch.nn.functional.pad(tiles, (0, count - tiles.shape[-1], 0, count - tiles.shape[-2]))
+def _pad_tiles(tiles: torch.Tensor, rows: int, cols: int | None = None) -> torch.Tensor:
+    """(..., nb, nb') tile table padded with zeros / False to (..., rows, cols) (default: rows)."""
+    cols = rows if cols is None else cols
+    return torch.nn.functional.pad(tiles, (0, cols - tiles.shape[-1], 0, rows - tiles.shape[-2]))
 
 
 def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,9 @@ Attention, O(n·(top_k + 1)·block·d) time:
   shared with NSA). Under attention dropout the parts run :mod:`zoo.ops.dropout`'s kernels.
 * Otherwise (padding inside the span, fewer queries than keys, CUDA, fp64): one gathered entry per query over its
   blocks (:func:`zoo.ops.chosen_blocks.gathered_block_attention`).
+* FlexAttention (:func:`moba_flex`) under ``zoo.attention_backend("flex")``, or under ``"auto"`` once measured to win
+  (:mod:`zoo.ops.backends.choice`): the selection becomes a block mask built per call
+  (:mod:`zoo.ops.backends.flex_blocks`); forward everywhere, backward on CUDA.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from __future__ import annotations
 import torch
 
 from zoo.call import AttentionCall
+from zoo.ops.backends.choice import compiled, content_flex
+from zoo.ops.backends.flex_blocks import chosen_blocks_attention
 from zoo.ops.block_grouped import block_grouped_attention, by_key_block_applies
 from zoo.ops.choose import select_by_query_chunks, top_blocks
 from zoo.ops.chosen_blocks import gathered_block_attention
@@ -89,15 +94,27 @@ def moba_selection(q: torch.Tensor, k: torch.Tensor, call: AttentionCall, block:
 def moba_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, block: int, top_k: int
 ) -> torch.Tensor:
-    """(B, H, Q, Dv): causal MoBA over one row span (see :func:`moba_selection`). The kernel choice: by key block on
-    the CPU flash kernels where they take the call (:func:`zoo.ops.block_grouped.by_key_block_applies`), else one
-    gathered entry per query."""
+    """(B, H, Q, Dv): causal MoBA over one row span (see :func:`moba_selection`). The kernel choice: FlexAttention
+    where the backend setting picks it (:func:`zoo.ops.backends.choice.content_flex`: forced, or measured), by key
+    block on the CPU flash kernels where they take the call (:func:`zoo.ops.block_grouped.by_key_block_applies`),
+    else one gathered entry per query."""
+    if content_flex("moba", q, k, v, call):
+        return moba_flex(q, k, v, call, block, top_k, compiled())
     blocks, chosen, positions = moba_selection(q, k, call, block, top_k)
     if by_key_block_applies(q, k, call):
         return block_grouped_attention(
             q, k, v, blocks[..., :-1], chosen[..., :-1], block, call.scaling, Dropout.of(call)
         )
     return gathered_block_attention(q, k, v, call, block, blocks, chosen, positions)
+
+
+def moba_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, block: int, top_k: int,
+              compiled: bool = True) -> torch.Tensor:
+    """:func:`moba_attention` on FlexAttention, whatever the backend setting: the same selection as a block mask
+    (:func:`zoo.ops.backends.flex_blocks.chosen_blocks_attention`). As many queries as keys; forward and, on CUDA,
+    backward (``compiled=False``: Flex's eager reference, tests only)."""
+    blocks, chosen, _ = moba_selection(q, k, call, block, top_k)
+    return chosen_blocks_attention(q, k, v, blocks, chosen, block, call, compiled)
 
 
 def moba_flops(n: int, heads: int, head_dim: int, block: int, top_k: int) -> float:

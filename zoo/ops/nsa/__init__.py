@@ -1,7 +1,8 @@
 """Native Sparse Attention (NSA): the three branches over one row span (:mod:`.kernel`), the decoding step
 (:mod:`.decode`) and the rule written out (:mod:`.naive`, the tests' oracles).
 
-Kernel choice, per branch, at the top of its function in :mod:`.kernel`: the compressed branch on the CPU flash
+Kernel choice: all three branches on FlexAttention where the backend setting picks it (:func:`nsa_flex`, at the top
+of :func:`nsa_branches`); otherwise per branch, at the top of its function in :mod:`.kernel`: the compressed branch on the CPU flash
 kernels by query chunks where they take q's dtype, else checkpointed SDPA chunks (:func:`compressed_branch`); the
 selected branch on fla's triton kernel where it applies (:func:`zoo.ops.backends.fla.fla_nsa_kernel`), else by key
 block on the CPU flash kernels (:func:`zoo.ops.block_grouped.by_key_block_applies`), else one gathered entry per
@@ -17,6 +18,7 @@ from zoo.ops.nsa.kernel import (
     compressed_branch,
     mix,
     nsa_branches,
+    nsa_flex,
     nsa_flops,
     selected_branch,
     span_parts,
@@ -32,6 +34,7 @@ __all__ = [
     "mix",
     "nsa_branches",
     "nsa_decode_branches",
+    "nsa_flex",
     "nsa_flops",
     "selected_branch",
     "span_parts",

@@ -24,6 +24,8 @@ chose a block in one call, :func:`zoo.ops.block_grouped.block_grouped_attention`
 run of keys per query block (:func:`zoo.ops.block_grouped.band_attention`). Otherwise: one gathered entry per query
 (:func:`zoo.ops.chosen_blocks.gathered_block_attention`) and the band kernel (:func:`zoo.ops.band_part`). The selection
 is a hard choice without gradient; gradients reach q, k, v (and the compression map) through the three softmaxes.
+Under ``zoo.attention_backend("flex")`` (or ``"auto"`` once measured to win) all three branches run FlexAttention
+(:func:`nsa_flex`), their block masks built from the same choice (:mod:`zoo.ops.backends.flex_blocks`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,10 @@ from torch.utils.checkpoint import checkpoint
 
 from zoo.call import AttentionCall
 from zoo.ops import limits
+from zoo.ops.backends import flex
+from zoo.ops.backends.choice import compiled, content_flex
 from zoo.ops.backends.fla import fla_nsa_kernel, fla_nsa_selected
+from zoo.ops.backends.flex_blocks import chosen_blocks_attention, visible_keys_attention
 from zoo.ops.block_grouped import ChunkedFlash, band_attention, block_grouped_attention, by_key_block_applies
 from zoo.ops.choose import select_by_query_chunks, top_blocks
 from zoo.ops.chosen_blocks import gathered_block_attention
@@ -45,6 +50,7 @@ from zoo.ops.dense import pad_to_multiple, safe_softmax, softmax_attention
 from zoo.ops.dropout import Dropout
 from zoo.ops.flash import additive_mask, flash_available
 from zoo.ops.union import band_part, union_attention
+from zoo.pattern import Pattern, band
 
 Compress = Callable[[torch.Tensor], torch.Tensor]  # (..., l, D) -> (..., D)
 LOCAL_BLOCKS = 2  # the paper's "2 local blocks": the query's own selection block and the one before it
@@ -220,23 +226,35 @@ def span_parts(
     n = k.shape[-2]
     keys, filled = compress(k[:, ::groups], call.padding_mask, compress_k, geometry)
     values, _ = compress(v[:, ::groups], call.padding_mask, compress_v, geometry)
-    ends = compressed_ends(keys.shape[-2], geometry, q.device)
     positions = torch.arange(n - q.shape[-2], n, device=q.device)
-
-    def visible(rows: slice) -> torch.Tensor:
-        return ((ends[:, None, :] <= positions[rows, None]) & filled[:, None, :])[:, None]
-
+    visible = Visibility(compressed_ends(keys.shape[-2], geometry, q.device), filled, positions)
     count = geometry.selection_count(n)
     blocks, chosen = select(q, keys, visible, (positions // geometry.select)[None], geometry, count, call.scaling)
     blocks, chosen, keys, values = (x.repeat_interleave(groups, 1) for x in (blocks, chosen, keys, values))
     return keys, values, visible, blocks, chosen, positions
 
 
+@dataclass(frozen=True)
+class Visibility:
+    """The compressed blocks each query sees: block j once complete (``ends`` (1, J): its last token) and holding a
+    real token (``filled`` (B|1, J)); calling it on a range of the queries (at ``positions`` (Q,)) gives their
+    (B|1, 1, C, J) bool mask."""
+
+    ends: torch.Tensor
+    filled: torch.Tensor
+    positions: torch.Tensor
+
+    def __call__(self, rows: slice) -> torch.Tensor:
+        return ((self.ends[:, None, :] <= self.positions[rows, None]) & self.filled[:, None, :])[:, None]
+
+
 def nsa_branches(
     q, k, v, call: AttentionCall, geometry: NSABlocks, compress_k: Compress, compress_v: Compress, groups: int
 ):
     """(compressed, selected, window) outputs (B, H, Q, Dv) each over one row span (Q = n); ``groups`` query heads
-    per KV head (see :func:`span_parts`)."""
+    per KV head (see :func:`span_parts`). On FlexAttention where the backend setting picks it (:func:`nsa_flex`)."""
+    if content_flex("nsa", q, k, v, call):
+        return nsa_flex(q, k, v, call, geometry, compress_k, compress_v, groups, compiled())
     keys, values, visible, blocks, chosen, positions = span_parts(
         q, k, v, call, geometry, compress_k, compress_v, groups
     )
@@ -244,6 +262,27 @@ def nsa_branches(
         compressed_branch(q, keys, values, visible, call),
         selected_branch(q, k, v, call, geometry.select, blocks, chosen, positions, groups),
         window_branch(q, k, v, call, geometry.window, groups),
+    )
+
+
+def nsa_flex(q, k, v, call: AttentionCall, geometry: NSABlocks, compress_k: Compress, compress_v: Compress,
+             groups: int, compiled: bool = True):
+    """:func:`nsa_branches` on FlexAttention, whatever the backend setting, the KV heads unexpanded: the compressed
+    blocks as keys visible from their last token on, the selection as a block mask built from it
+    (:mod:`zoo.ops.backends.flex_blocks`), the window as a pattern (its mask cached). As many queries as keys;
+    forward and, on CUDA, backward (``compiled=False``: Flex's eager reference, tests only)."""
+    keys, values, visible, blocks, chosen, _ = span_parts(q, k, v, call, geometry, compress_k, compress_v, groups)
+    k, v = k[:, ::groups], v[:, ::groups]
+    if keys.shape[-2]:
+        compressed = visible_keys_attention(q, keys[:, ::groups], values[:, ::groups], visible.ends[0],
+                                            visible.filled, call, compiled)
+    else:
+        compressed = q.new_zeros(*q.shape[:-1], v.shape[-1])
+    reach = geometry.window - 1
+    return (
+        compressed,
+        chosen_blocks_attention(q, k, v, blocks[:, ::groups], chosen[:, ::groups], geometry.select, call, compiled),
+        flex.attend(Pattern(band(reach), reach=reach, plain_window=True), q, k, v, call, compiled),
     )
 
 
