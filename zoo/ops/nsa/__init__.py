@@ -2,11 +2,12 @@
 (:mod:`.decode`) and the rule written out (:mod:`.naive`, the tests' oracles).
 
 Kernel choice: all three branches on FlexAttention where the backend setting picks it (:func:`nsa_flex`, at the top
-of :func:`nsa_branches`); otherwise per branch, at the top of its function in :mod:`.kernel`: the compressed branch on the CPU flash
-kernels by query chunks where they take q's dtype, else checkpointed SDPA chunks (:func:`compressed_branch`); the
-selected branch on fla's triton kernel where it applies (:func:`zoo.ops.backends.fla.fla_nsa_kernel`), else by key
-block on the CPU flash kernels (:func:`zoo.ops.block_grouped.by_key_block_applies`), else one gathered entry per
-query (:func:`selected_branch`); the window by block diagonals on the CPU flash kernels without padding, else the band
+of :func:`nsa_branches`); otherwise per branch, at the top of its function in :mod:`.kernel`: the compressed branch
+on the CPU flash kernels by query chunks where they take q's dtype, else checkpointed SDPA chunks
+(:func:`compressed_branch`); the selected branch on fla's triton kernel where it applies
+(:func:`zoo.ops.backends.fla.fla_nsa_kernel`), else by key block on the CPU flash kernels
+(:func:`zoo.ops.block_grouped.by_key_block_applies`), else one gathered entry per query (:func:`selected_branch`);
+the window by block diagonals on the CPU flash kernels without padding, else the band
 kernel (:func:`window_branch`)."""
 
 from zoo.ops.nsa.decode import nsa_decode_branches
