@@ -4,6 +4,7 @@ attend to the needle, the global top-share choice, the synthetic prompts and the
 
 from __future__ import annotations
 
+import json
 import types
 
 import pytest
@@ -12,6 +13,8 @@ import torch.nn.functional as F
 import transformers
 import yaml
 
+from zoo.plug.install import configure as zoo_configure
+from zoo.retrofit import heads
 from zoo.retrofit.duo_gates import (
     GATED,
     DuoGates,
@@ -193,3 +196,36 @@ def test_config_defaults(tmp_path, tiny_smollm2_llama):
     cfg = load_config(path)
     assert (cfg.sinks, cfg.recent, cfg.fractions) == (4, 256, [0.1, 0.25, 0.5])
     assert (cfg.gates.learning_rate, cfg.gates.reg_weight) == (0.02, 0.05)
+
+
+def test_the_recipe_writes_scores_choices_and_duo_folders_that_reload(tmp_path, tiny_smollm2_llama, monkeypatch):
+    monkeypatch.setattr(heads, "WORDS_PER_BOOK", 3000)
+    heads._train_books.cache_clear()
+    path = tmp_path / "duo.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": str(tiny_smollm2_llama()), "output_dir": str(tmp_path / "out"), "sinks": 2, "recent": 16,
+        "fractions": [0.25, 0.5], "data": {"lengths": [300, 340], "passkeys": 2, "words": 4, "train_prompts": 2,
+                                           "calibration_prompts": 2},
+        "gates": {"steps": 3}, "held_out": {"sequences": 1, "length": 128}, "swap_kl": True}))
+    summary = heads.run(heads.load_config(path))
+    out = tmp_path / "out"
+    record = json.loads((out / "heads.json").read_text())
+    assert set(record["chosen"]) == {"gates", "needle", "swap_kl"}
+    assert record["heads"]["needle"] == {"0.25": 1, "0.5": 2}  # 4 KV heads in the tiny model
+    assert len(record["gates"]["history"]) == 3 and (out / "heads_map.png").is_file()
+    assert set(record["held_out_kl"]["layouts"]) == {f"{m} {f}" for m in record["chosen"] for f in ("0.25", "0.5")}
+    folder = out / summary["folders"]["needle 0.5"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    assert model.config.attention_zoo["params"]["full_heads"] == record["chosen"]["needle"]["0.5"]
+    assert "full_heads" in (folder / "README.md").read_text()
+
+
+def test_binary_gates_are_the_saved_duo_layout():
+    model, ids = tiny_llama(), torch.tensor([prompts(1, n=40)[0].ids])
+    gates = DuoGates(2, 2, SINKS, RECENT, initial=0.0)
+    gates.alpha.data[1, 0] = 1.0
+    with torch.no_grad(), attention(model, GATED):
+        gated = model.model(input_ids=ids, duo_gates=gates).last_hidden_state
+    zoo_configure(model, "duo", full_heads=[[], [0]], sinks=SINKS, recent=RECENT)
+    with torch.no_grad():
+        torch.testing.assert_close(model.model(input_ids=ids).last_hidden_state, gated, atol=1e-5, rtol=1e-5)
