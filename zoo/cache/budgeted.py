@@ -12,6 +12,9 @@ from transformers.cache_utils import DynamicLayer
 from zoo.cache.policies import DEFAULT_POLICY, PolicySpec, as_policy, with_old_window
 from zoo.cache.protocol import BatchMapped, CacheRollbackError, ZooCacheLayer, hand_to_kernel, tensor_bytes
 
+HELD = ("keys", "values", "pos", "real", "mass")  # the per-key state, each a view of the first rows of a buffer
+ROOM = 1  # rows of room a buffer keeps past tokens + slack: a decoding step writes its key in place, no copy
+
 
 class PositionsExhaustedError(ValueError):
     """A budgeted cache was asked to go past the model's ``max_position_embeddings``."""
@@ -34,6 +37,13 @@ class BudgetedLayer(BatchMapped, ZooCacheLayer, DynamicLayer):
     ``key_positions`` (what the plug hands the kernel) are row 0 / head 0's: the positions of every row and head
     while nothing was evicted, and of the current call's tokens (the last ones) always. Keys keep their rotary phase
     (nothing is re-rotated); past ``max_positions`` tokens :meth:`update` refuses (:class:`PositionsExhaustedError`).
+
+    Storage (what keeps a decoding step free of copies of the cache): the five per-key tensors are views of the first
+    rows of buffers of ``tokens + slack + 1`` rows (:data:`ROOM`; while the cache grows towards that, a quarter more
+    than it holds; a call of more tokens, as a prefill, gets exactly what it needs until its eviction). A new key is
+    written in place; an eviction moves only the keys from the first evicted one on (the sinks and the recent keys
+    stay where they are when the evicted keys are the oldest of the rest). :meth:`nbytes` counts the buffers, room
+    included. The views are rewritten by later calls: clone them to keep a state.
     """
 
     is_sliding = False
@@ -67,6 +77,8 @@ class BudgetedLayer(BatchMapped, ZooCacheLayer, DynamicLayer):
         self.scaling = 1.0
         self.row_start: torch.Tensor | None = None
         self.key_positions = self.pos = self.real = self.mass = self.queries = self.query_real = None
+        self.store: list[torch.Tensor] | None = None  # the buffers of HELD, rows [0, held) in use
+        self.store_owner: int | None = None  # id() of the layer that made them (a copy of its __dict__ must not write)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -89,17 +101,53 @@ class BudgetedLayer(BatchMapped, ZooCacheLayer, DynamicLayer):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        batch, kv_heads = key_states.shape[:2]
-        new_pos = torch.arange(self.seen, self.seen + count, device=self.device).expand(batch, kv_heads, count)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        self.pos = torch.cat([self.pos, new_pos], dim=-1)
-        self.real = torch.cat([self.real, self.real.new_ones(batch, kv_heads, count)], dim=-1)
-        self.mass = torch.cat([self.mass, self.mass.new_zeros(batch, kv_heads, count)], dim=-1)
+        held = self.keys.shape[-2]
+        self._reserve(count)
+        self._use(held + count)
+        self.keys.narrow(2, held, count).copy_(key_states)
+        self.values.narrow(2, held, count).copy_(value_states)
+        self.pos.narrow(2, held, count).copy_(torch.arange(self.seen, self.seen + count, device=self.device))
+        self.real.narrow(2, held, count).fill_(True)
+        self.mass.narrow(2, held, count).zero_()
         self.seen += count
         self.new_tokens = count
-        self.key_positions = self.pos[0, 0]
         return self.keys, self.values
+
+    def _use(self, rows: int) -> None:
+        """Point the held tensors at the first ``rows`` rows of the buffers."""
+        for name, buffer in zip(HELD, self.store, strict=True):
+            setattr(self, name, buffer.narrow(2, 0, rows))
+        self.key_positions = self.pos[0, 0]
+
+    def _store_intact(self) -> bool:
+        """The buffers are this layer's and the held tensors their first rows: nothing replaced them (a beam reorder,
+        another layer's state copied in, as the KV benchmark's shared prefill does), so they may be written."""
+        if self.store is None or self.store_owner != id(self):
+            return False
+        rows = self.keys.shape[-2]
+        return all(
+            view.data_ptr() == buffer.data_ptr() and view.stride() == buffer.stride() and view.shape[2] == rows
+            for view, buffer in zip((getattr(self, name) for name in HELD), self.store, strict=True)
+        )
+
+    def _reserve(self, count: int) -> None:
+        """Room for ``count`` more rows in buffers of this layer's own: new buffers (the held rows copied in) when
+        there is none; up to tokens + slack + ROOM rows, a quarter more than needed (amortised growth)."""
+        rows = self.keys.shape[-2]
+        need = rows + count
+        if self._store_intact() and self.store[0].shape[2] >= need:
+            return
+        capacity = max(need, min(self.tokens + self.slack + ROOM, need + need // 4))
+        self._allocate(capacity, [getattr(self, name) for name in HELD])
+
+    def _allocate(self, capacity: int, held: list[torch.Tensor]) -> None:
+        """New buffers of ``capacity`` rows holding ``held`` (the values of HELD) in their first rows."""
+        self.store, self.store_owner = [], id(self)
+        for tensor in held:
+            buffer = tensor.new_empty(*tensor.shape[:2], capacity, *tensor.shape[3:])
+            buffer.narrow(2, 0, tensor.shape[2]).copy_(tensor)
+            self.store.append(buffer)
+        self._use(held[0].shape[2])
 
     def key_columns(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         """Marks the call's padding tokens (they are never kept) and returns row 0 / head 0's columns (all of them
@@ -116,7 +164,7 @@ class BudgetedLayer(BatchMapped, ZooCacheLayer, DynamicLayer):
             self.row_start = row_start.to(self.device)
         self.scaling = scaling
         if mass is not None:
-            self.mass = self.mass + mass
+            self.mass.add_(mass)
         if self.records_queries:
             new_real = self.real[:, 0, -self.new_tokens :]
             recent, recent_real = queries.detach()[..., -self.window :, :], new_real[:, -self.window :]
@@ -138,12 +186,19 @@ class BudgetedLayer(BatchMapped, ZooCacheLayer, DynamicLayer):
         return sinks | (self.pos >= self.seen - self.recent)
 
     def evict(self) -> None:
-        """Keep ``tokens`` keys per (row, KV head): the protected ones, then the highest scores; padding last."""
+        """Keep ``tokens`` keys per (row, KV head): the protected ones, then the highest scores; padding last. In
+        place when the buffers are this layer's and no larger than tokens + slack + ROOM rows (then only the rows
+        from the first evicted one on move); else into new buffers of that size (after a prefill, a chunk)."""
         keep = self.policy.keep(self)
-        rows = keep[..., None].expand(-1, -1, -1, self.keys.shape[-1])
-        self.keys, self.values = self.keys.gather(2, rows), self.values.gather(2, rows)
-        self.pos, self.real, self.mass = (x.gather(2, keep) for x in (self.pos, self.real, self.mass))
-        self.key_positions = self.pos[0, 0]
+        kept, capacity = keep.shape[-1], self.tokens + self.slack + ROOM
+        if self._store_intact() and self.store[0].shape[2] <= capacity:
+            moved = (keep != torch.arange(kept, device=keep.device)).flatten(0, 1).any(dim=0)
+            first = int(moved.to(torch.uint8).argmax()) if bool(moved.any()) else kept
+            for view, buffer in zip((getattr(self, name) for name in HELD), self.store, strict=True):
+                view.narrow(2, first, kept - first).copy_(_take(buffer, keep[..., first:]))
+            self._use(kept)
+        else:
+            self._allocate(max(capacity, kept), [_take(getattr(self, name).contiguous(), keep) for name in HELD])
         self.evicted = True
 
     def _map_state(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -151,6 +206,7 @@ class BudgetedLayer(BatchMapped, ZooCacheLayer, DynamicLayer):
             value = getattr(self, name)
             if isinstance(value, torch.Tensor) and value.dim():
                 setattr(self, name, fn(value))
+        self.store = None  # the held tensors are new ones: the next write copies them into buffers
         if self.pos is not None:
             self.key_positions = self.pos[0, 0]
 
@@ -178,4 +234,15 @@ class BudgetedLayer(BatchMapped, ZooCacheLayer, DynamicLayer):
         self._clear()
 
     def nbytes(self) -> int:
-        return tensor_bytes([self.keys, self.values, self.pos, self.real, self.mass, self.queries, self.query_real])
+        """Bytes held: the buffers, their room included (the held tensors when they are not views of them)."""
+        held = self.store if self._store_intact() else [getattr(self, name) for name in HELD]
+        return tensor_bytes([*held, self.queries, self.query_real])
+
+
+def _take(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` (B, Hk, n) of a contiguous (B, Hk, R[, d]) tensor, as (B, Hk, n[, d]): whole rows at a time
+    (``index_select`` on the flattened rows; ``gather`` with the index expanded over d reads an index per value)."""
+    batch, heads, rows = source.shape[:3]
+    offsets = torch.arange(0, batch * heads * rows, rows, device=index.device).view(batch, heads, 1)
+    taken = source.reshape(batch * heads * rows, -1).index_select(0, (index + offsets).flatten())
+    return taken.view(*index.shape, *source.shape[3:])

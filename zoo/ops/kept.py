@@ -25,20 +25,42 @@ def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.reshape(batch, kv_heads, heads // kv_heads, length, dim)
 
 
-def _probabilities(qg, keys, key_pos, key_real, query_pos, scaling):
-    """Softmax over the kept keys a query may see (real, at a position <= its own): (B, Hk, G, c, K) fp32; a query
-    that sees no key gets zeros."""
-    logits = torch.matmul(qg.float(), keys.float()[:, :, None].transpose(-1, -2))
-    hidden = ~(key_real[:, :, None, None, :] & (key_pos[:, :, None, None, :] <= query_pos.to(key_pos)[:, None]))
+def _hidden(key_pos, key_real, query_pos):
+    """(B, Hk, 1, c, K) bool, the kept keys a query may not see (padding, or past its position); None when every
+    query sees every key (a decoding step over real keys: no mask to build or apply)."""
+    causal = bool((key_pos > query_pos.min().to(key_pos)).any())
+    if not causal and bool(key_real.all()):
+        return None
+    hidden = ~key_real[:, :, None, None, :]
+    if causal:
+        hidden = hidden | (key_pos[:, :, None, None, :] > query_pos.to(key_pos)[:, None])
+    return hidden
+
+
+def _weights(qg, keys, key_pos, key_real, query_pos, scaling):
+    """The softmax over the kept keys a query may see (real, at a position <= its own) as a ratio: exp(logit - the
+    row's max), (B, Hk, G, c, K) fp32, and the row sums (B, Hk, G, c, 1) (1 for a query that sees no key: its row
+    is zeros). Callers divide what they reduce it to (an output, a vote) by the sums, not the (.., K) buffer. The
+    group's heads are one matrix of G x c rows against the KV head's keys (a broadcast over G copied the keys G
+    times first)."""
+    batch, kv_heads, group, length, dim = qg.shape
+    rows = qg.reshape(batch, kv_heads, group * length, dim).float() * scaling
+    logits = torch.matmul(rows, keys.float().transpose(-1, -2)).view(batch, kv_heads, group, length, -1)
+    hidden = _hidden(key_pos, key_real, query_pos)
     if torch.is_grad_enabled() and (qg.requires_grad or keys.requires_grad):  # autograd: out of place
-        logits = (logits * scaling).masked_fill(hidden, float("-inf"))
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-        return torch.exp(logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))
-    # decoding (no autograd): in place, one (B, Hk, G, c, K) fp32 buffer live instead of four (a chunked prefill
-    # runs this at every layer and chunk; freed buffers of that size stay in the allocator's heap, in peak RSS)
-    logits.mul_(scaling).masked_fill_(hidden, float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    return logits.sub_(lse.masked_fill_(~torch.isfinite(lse), 0.0)).exp_()
+        if hidden is not None:
+            logits = logits.masked_fill(hidden, float("-inf"))
+        top = logits.detach().amax(dim=-1, keepdim=True)  # any shift gives the same softmax (and gradient)
+        weights = torch.exp(logits - top.masked_fill(~torch.isfinite(top), 0.0))
+    else:
+        # decoding (no autograd): in place, one (B, Hk, G, c, K) fp32 buffer live (a chunked prefill runs this at
+        # every layer and chunk; freed buffers of that size stay in the allocator's heap, in peak RSS)
+        if hidden is not None:
+            logits.masked_fill_(hidden, float("-inf"))
+        top = logits.amax(dim=-1, keepdim=True)
+        weights = logits.sub_(top.masked_fill_(~torch.isfinite(top), 0.0)).exp_()
+    total = weights.sum(dim=-1, keepdim=True)
+    return weights, total.masked_fill(total == 0, 1.0)
 
 
 def kept_attention(
@@ -54,8 +76,8 @@ def kept_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal softmax attention of ``q`` (queries at ``query_pos`` (Q,)) over the kept keys of its KV head: the output
     (B, H, Q, d_v) and, with ``want_mass``, each key's attention mass summed over the call's real queries
-    (``query_real`` (B, Q)) and the query heads of its group (H2O's column sums, chunk by chunk from the
-    log-sum-exp), (B, Hk, K) fp32."""
+    (``query_real`` (B, Q)) and the query heads of its group (H2O's column sums, chunk by chunk from each query's
+    softmax), (B, Hk, K) fp32."""
     batch, heads, length, _ = q.shape
     kv_heads, kept = keys.shape[1], keys.shape[2]
     qg = _grouped(q, kv_heads)
@@ -64,12 +86,13 @@ def kept_attention(
     outs = []
     for start in range(0, length, chunk):
         stop = min(length, start + chunk)
-        probs = _probabilities(qg[:, :, :, start:stop], keys, key_pos, key_real, query_pos[start:stop], scaling)
-        outs.append(torch.matmul(probs.to(values.dtype), values[:, :, None]))
+        weights, total = _weights(qg[:, :, :, start:stop], keys, key_pos, key_real, query_pos[start:stop], scaling)
+        rows = weights.to(values.dtype).view(batch, kv_heads, -1, kept)  # the group's heads as rows, as the logits
+        out = torch.matmul(rows, values).view(*weights.shape[:4], values.shape[-1])
+        outs.append(out / total.to(out.dtype))
         if mass is not None:
-            if query_real is not None:
-                probs = probs * query_real[:, None, None, start:stop, None].to(probs)
-            mass += probs.sum(dim=(2, 3))
+            real = 1.0 if query_real is None else query_real[:, None, None, start:stop, None].to(total)
+            mass += _column_sums(weights, real / total)
     out = torch.cat(outs, dim=3) if len(outs) > 1 else outs[0]
     return out.reshape(batch, heads, length, values.shape[-1]), mass
 
@@ -79,9 +102,16 @@ def recent_query_attention(queries, query_pos, query_real, keys, key_pos, key_re
     over the query heads of each KV group: (B, Hk, K). TOVA's score (Oren et al. 2024; the current query alone, with
     its window of one); SnapKV's votes before pooling (the last w prompt queries)."""
     qg = _grouped(queries, keys.shape[1])
-    probs = _probabilities(qg, keys, key_pos, key_real, query_pos, scaling)
-    probs = probs * query_real[:, None, None, :, None].to(probs)
-    return probs.sum(dim=3).mean(dim=2)
+    weights, total = _weights(qg, keys, key_pos, key_real, query_pos, scaling)
+    return _column_sums(weights, query_real[:, None, None, :, None].to(total) / (total * qg.shape[2]))
+
+
+def _column_sums(weights: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
+    """sum over the group's heads and queries of ``weights`` (B, Hk, G, c, K) x ``share`` (B, Hk, G, c, 1): (B, Hk,
+    K), one matrix product (no product buffer of the weights' size)."""
+    batch, kv_heads, group, length, kept = weights.shape
+    share = share.expand(batch, kv_heads, group, length, 1).reshape(batch, kv_heads, 1, group * length)
+    return torch.matmul(share, weights.view(batch, kv_heads, -1, kept)).view(batch, kv_heads, kept)
 
 
 def snapkv_scores(queries, query_pos, query_real, keys, key_pos, key_real, scaling, pool: int) -> torch.Tensor:
