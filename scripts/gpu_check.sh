@@ -1,23 +1,30 @@
 #!/usr/bin/env bash
-# The prepared GPU check, for one run on the GPU machine (one H200, its own python3 3.12 with torch 2.11.0+cu130,
-# no network): the wheels from scripts/gpu_wheels.sh installed into a target folder that PYTHONPATH puts first
-# (transformers 5.24 over the machine's 5.17, the project itself), then the environment, the Flex tests on CUDA
-# (forward + backward against the chunked kernels), `zoo bench` bf16 fwd+bwd at 8K and 32K for every exact pattern
-# variant on Flex against dense SDPA and transformers' Longformer/BigBird, the same variants on their chunked
-# kernels, the fla backend's CUDA tests (flash-linear-attention's kernels against the zoo's chunked recurrent
-# kernels, and fla's NSA selected-block kernel against the zoo's), `zoo bench` bf16 fwd+bwd at 8K and 32K of the
-# recurrent variants on fla, then on the zoo's kernels (ATTENTION_ZOO_FLA=0), the same for the content-chosen sparse
-# variants (moba, nsa, dsa) against sdpa and longformer, and FOLDER/summary.md: each step's status, exit code,
-# seconds and log, then its key table. Each step runs under its own timeout (budgets sum to 560 s, under the device's
-# 600 s a command); a failed step never stops the next. Decoding is measured on the CPU (`zoo bench --decode`), not
-# here: that bench runs on the CPU only.
+# The prepared GPU check, for the GPU machine (one H100 or H200, its own python3 3.12 with torch 2.11.0+cu130 and
+# triton 3.6, no network): the wheels from scripts/gpu_wheels.sh installed into a target folder that PYTHONPATH puts
+# first (transformers 5.24 over the machine's 5.17, the project itself), the environment, then five measuring steps,
+# each under 8 minutes and each writing its own folder FOLDER/STEP/, in this order:
+#   (a) cuda-tests       every test_cuda_* test: Flex forward + backward against the chunked kernels (pattern variants,
+#                        moba, nsa), dsa's Triton kernels against the zoo's, fla's kernels against the zoo's recurrent
+#                        kernels and nsa's selected blocks
+#   (b) bench-patterns   `zoo bench` bf16 fwd+bwd at 8K, 16K, 32K: every exact pattern variant on Flex, then on its
+#                        chunked kernel (xformers: its own), each run beside dense (flash) SDPA
+#   (c) bench-content    the same for moba, nsa (Flex) and dsa (its Triton kernels), then on the zoo's kernels
+#                        (--backend chunked, ATTENTION_ZOO_TRITON=0)
+#   (d) bench-recurrent  the recurrent variants on fla, then on the zoo's kernels (ATTENTION_ZOO_FLA=0)
+#   (e) decode           decoding at 8K-32K: `zoo bench --decode` measures on the CPU only (zoo/bench/decode.py
+#                        refuses --device cuda), so this step records that refusal and measures nothing; decoding
+#                        figures come from CPU runs (results/bench/decode_sparse/). Should the bench take CUDA one day,
+#                        the step runs it.
+# and FOLDER/summary.md: each step's status, exit code, seconds and log, then its key table. Each step runs under its
+# own timeout; a failed step never stops the next. The steps together outrun the device's 600 s a command: run one
+# step per call (install and env come with each, 45 s), e.g. --steps=cuda-tests, then --steps=bench-patterns...
 #
-#   bash scripts/gpu_check.sh [FOLDER]              # on the GPU machine, with .whl/ carried along with the tree
+#   bash scripts/gpu_check.sh --steps=cuda-tests [FOLDER]   # on the GPU machine, .whl/ carried along with the tree
+#   bash scripts/gpu_check.sh [FOLDER]              # every step in one go (over 600 s: not on the device tool)
 #   bash scripts/gpu_check.sh --rehearse [FOLDER]   # anywhere, no GPU: every step resolved, nothing measured
-#   bash scripts/gpu_check.sh --steps=fla-tests,bench-sparse   # install, env and the steps named, in their order
 #
 # The first run on an H200 (2026-12-04) needed more than one 600 s call: compiling Flex for 7 contestants and fla's
-# kernels for 3 outran their budgets; --steps splits the check over calls.
+# kernels for 3 outran their budgets; hence one step per call.
 # FOLDER: default $OUT (the device tool's; the files are then packed into summary.md and gpu-check.tar.gz, since
 # at most 8 files come back from there; --pack does the same elsewhere), else runs/gpu. Python: $PYTHON, else
 # python3 (a rehearsal takes .venv/bin/python when python3 has no torch). Wheels: $GPU_CHECK_WHEELS, else .whl.
@@ -58,33 +65,34 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_VERBOSITY=error TOKEN
 export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 
-STEPS=(install env flex-tests bench-flex-8k bench-flex-32k bench-chunked fla-tests bench-recurrent bench-sparse)
-declare -A BUDGET=([install]=15 [env]=30 [flex-tests]=85 [bench-flex-8k]=65 [bench-flex-32k]=70
-  [bench-chunked]=50 [fla-tests]=100 [bench-recurrent]=80 [bench-sparse]=65)
+STEPS=(install env cuda-tests bench-patterns bench-content bench-recurrent decode)
+declare -A BUDGET=([install]=15 [env]=30 [cuda-tests]=330 [bench-patterns]=470 [bench-content]=470
+  [bench-recurrent]=240 [decode]=30)
 declare -A TITLE=(
   [install]="the carried wheels (.whl/) installed into a target folder, the project wheel checked against the tree"
   [env]="GPU, versions and where each package comes from, FlexAttention's API, unmet requirements"
-  [flex-tests]="tests/test_flex.py on CUDA: Flex forward + backward against the chunked kernels, fp32 and bf16"
-  [bench-flex-8k]="zoo bench bf16 fwd+bwd, n = 8192: exact variants on Flex, dense SDPA, transformers' peers"
-  [bench-flex-32k]="the same at n = 32768"
-  [bench-chunked]="zoo bench bf16 fwd+bwd, n = 8192, 32768: the same variants on their chunked kernels (xformers: its own)"
-  [fla-tests]="tests/variants/test_fla_backend.py on CUDA: fla's kernels against the zoo's recurrent kernels, fwd + bwd"
-  [bench-recurrent]="zoo bench bf16 fwd+bwd, n = 8192, 32768: recurrent variants on fla, then on the zoo's kernels"
-  [bench-sparse]="zoo bench bf16 fwd+bwd causal, n = 8192, 32768: moba, nsa, dsa against sdpa and longformer")
+  [cuda-tests]="(a) every test_cuda_* test: Flex (pattern variants, moba, nsa), dsa's Triton kernels and fla's kernels against the zoo's, forward + backward"
+  [bench-patterns]="(b) zoo bench bf16 fwd+bwd, n = 8K, 16K, 32K: the exact pattern variants on Flex, then on their chunked kernels (xformers: its own), beside dense SDPA"
+  [bench-content]="(c) zoo bench bf16 fwd+bwd causal, n = 8K, 16K, 32K: moba, nsa on Flex and dsa on its Triton kernels, then all three on the zoo's kernels, beside dense SDPA"
+  [bench-recurrent]="(d) zoo bench bf16 fwd+bwd causal, n = 8K, 16K, 32K: the recurrent variants on fla, then on the zoo's kernels"
+  [decode]="(e) decoding at 8K-32K: zoo bench --decode, where it takes --device cuda")
 
-FLEX_CUDA_TESTS=tests/test_flex.py::test_cuda_flex_forward_and_backward_equal_the_chunked_kernel
-FLA_CUDA_TESTS="tests/variants/test_fla_nsa.py tests/variants/test_fla_backend.py -k test_cuda_"
+CUDA_TESTS="tests/test_flex.py tests/variants/test_flex_blocks.py tests/variants/test_dsa_triton.py
+  tests/variants/test_fla_backend.py tests/variants/test_fla_nsa.py -k test_cuda_"
+LENGTHS="8192 16384 32768"
 EXACT="longformer bigbird sparse_transformer xformers"
-BENCH="--device cuda --dtype bf16 --mode fwd+bwd --repeats 3 --warmup 1 --no_progress --variant_params xformers.window=512"
-# the recurrent variants (causal only): the same run on fla's kernels (CUDA bf16: the default when fla is installed)
-# and on the zoo's chunked kernels (ATTENTION_ZOO_FLA=0), dense SDPA once as the yardstick
+BENCH="--device cuda --dtype bf16 --mode fwd+bwd --repeats 3 --warmup 1 --no_progress --lengths $LENGTHS
+  --variant_params xformers.window=512"
+# the content-chosen variants (causal only; 12 heads, no GQA: nsa's selected branch never reaches fla's kernel)
+CONTENT="--variants moba nsa dsa sdpa --causal --device cuda --dtype bf16 --mode fwd+bwd --repeats 2 --warmup 1
+  --no_progress --lengths $LENGTHS"
+# the recurrent variants (causal only): on fla's kernels (CUDA bf16: the default when fla is installed) and on the
+# zoo's chunked kernels (ATTENTION_ZOO_FLA=0), dense SDPA once as the yardstick
 RECURRENT_VARIANTS="deltanet gated_deltanet gla"
-RECURRENT="--causal --device cuda --dtype bf16 --mode fwd+bwd --repeats 2 --warmup 1 --no_progress --lengths 8192 32768
+RECURRENT="--causal --device cuda --dtype bf16 --mode fwd+bwd --repeats 2 --warmup 1 --no_progress --lengths $LENGTHS
   --max_seconds 15"
-# the content-chosen sparse variants on the zoo's kernels (12 heads, no GQA: nsa's selected branch stays on the zoo's)
-SPARSE="--variants moba nsa dsa sdpa longformer --causal --device cuda --dtype bf16 --mode fwd+bwd --repeats 2
-  --warmup 1 --no_progress --lengths 8192 32768 --max_seconds 12"
-export FLEX_CUDA_TESTS FLA_CUDA_TESTS EXACT BENCH RECURRENT_VARIANTS RECURRENT SPARSE
+DECODE="--decode --device cuda --variants sdpa longformer moba nsa dsa --lengths $LENGTHS --no_progress"
+export CUDA_TESTS EXACT BENCH CONTENT RECURRENT_VARIANTS RECURRENT DECODE
 PLATFORM="--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any"
 export PLATFORM
@@ -137,31 +145,32 @@ cuda_tests() {  # step $1 runs pytest on the rest (a selection); a rehearsal col
   fi
   "$PY" -m pytest -p no:cacheprovider -v -rA "$@" --junitxml "$DIR/$step/junit.xml"
   rc=$?
-  if grep -q "^SKIPPED" "$DIR/logs/$step.log"; then echo "tests were skipped: no CUDA (or no fla)?"; return 1; fi
+  if grep -q "^SKIPPED" "$DIR/logs/$step.log"; then echo "tests were skipped: no CUDA (or no fla, no triton)?"; return 1; fi
   return $rc
 }
-step_flex_tests() { cuda_tests flex-tests "$FLEX_CUDA_TESTS"; }
 # shellcheck disable=SC2086  # a word list
-step_fla_tests() { cuda_tests fla-tests $FLA_CUDA_TESTS; }
+step_cuda_tests() { cuda_tests cuda-tests $CUDA_TESTS; }
 
 zoo_bench() {  # the installed project's `zoo bench`; a rehearsal checks the arguments only
   local dry=()
   [ "$MODE" = rehearse ] && dry=(--dry_run)
   "$PY" scripts/gpu_tools.py zoo bench "$@" "${dry[@]}"
 }
-# shellcheck disable=SC2086  # $EXACT and $BENCH are word lists
-step_bench_flex_8k() {
-  zoo_bench --variants $EXACT sdpa hf_longformer hf_bigbird $BENCH --backend flex --lengths 8192 --max_seconds 30 \
-    --output_dir "$DIR/bench-flex-8k"
+# shellcheck disable=SC2086  # $EXACT, $BENCH, $CONTENT, $RECURRENT and $DECODE are word lists
+step_bench_patterns() {
+  local rc=0 out=$DIR/bench-patterns
+  zoo_bench --variants $EXACT sdpa $BENCH --backend flex --max_seconds 30 --output_dir "$out/flex" || rc=1
+  zoo_bench --variants $EXACT sdpa $BENCH --backend chunked --max_seconds 15 --output_dir "$out/chunked" || rc=1
+  return $rc
 }
-step_bench_flex_32k() {
-  zoo_bench --variants $EXACT sdpa hf_longformer hf_bigbird $BENCH --backend flex --lengths 32768 --max_seconds 60 \
-    --output_dir "$DIR/bench-flex-32k"
+# shellcheck disable=SC2086
+step_bench_content() {
+  local rc=0 out=$DIR/bench-content
+  zoo_bench $CONTENT --backend flex --max_seconds 30 --output_dir "$out/flex-triton" || rc=1
+  ATTENTION_ZOO_TRITON=0 zoo_bench $CONTENT --backend chunked --max_seconds 12 --output_dir "$out/chunked" || rc=1
+  return $rc
 }
-step_bench_chunked() {
-  zoo_bench --variants $EXACT sdpa $BENCH --backend chunked --lengths 8192 32768 --max_seconds 15 \
-    --output_dir "$DIR/bench-chunked"
-}
+# shellcheck disable=SC2086
 step_bench_recurrent() {
   local rc=0 out=$DIR/bench-recurrent
   zoo_bench --variants $RECURRENT_VARIANTS sdpa $RECURRENT --output_dir "$out/fla" || rc=1
@@ -169,9 +178,16 @@ step_bench_recurrent() {
   return $rc
 }
 # shellcheck disable=SC2086
-step_bench_sparse() { zoo_bench $SPARSE --output_dir "$DIR/bench-sparse"; }
-export -f step_install step_env cuda_tests step_flex_tests zoo_bench step_bench_flex_8k step_bench_flex_32k \
-  step_bench_chunked step_fla_tests step_bench_recurrent step_bench_sparse
+step_decode() {
+  if "$PY" scripts/gpu_tools.py zoo bench $DECODE --output_dir "$DIR/decode" --dry_run; then
+    zoo_bench $DECODE --output_dir "$DIR/decode"
+    return
+  fi
+  echo "not measured: zoo bench --decode refuses --device cuda (it measures on the CPU only); decoding figures come"
+  echo "from CPU runs (results/bench/decode_sparse/)"
+}
+export -f step_install step_env cuda_tests step_cuda_tests zoo_bench step_bench_patterns step_bench_content \
+  step_bench_recurrent step_decode
 
 # --------------------------------------------------------------------------------------------------------------
 # running them, and the summary
@@ -214,11 +230,11 @@ section() {  # the markdown sections of $1 whose headings start with the later a
 }
 
 key_table() {  # what one step produced that matters, in markdown
-  local name=$1 log=$DIR/logs/$1.log
+  local name=$1 log=$DIR/logs/$1.log runs
   case $name in
     install) grep -E "^(installing|gpu_tools|no |pip on)" "$log" ;;
     env) cat "$DIR/env/env.md" 2>/dev/null ;;
-    flex-tests | fla-tests)
+    cuda-tests)
       if [ "$MODE" = rehearse ]; then grep -E "tests? collected|error" "$log"; return; fi
       echo "| test | result |"
       echo "|---|---|"
@@ -227,17 +243,17 @@ key_table() {  # what one step produced that matters, in markdown
                                print "| " id[2] " | " outcome " |" }' "$log"
       grep -E "^=+ .*(passed|failed|error).* =+$" "$log" | tail -n 1
       ;;
-    bench-recurrent)
-      if [ "$MODE" = rehearse ]; then grep "^zoo bench --dry_run" "$log"; return; fi
-      for kernels in fla zoo; do
-        echo "**On $kernels's kernels** ($name/$kernels/bench.md):"
-        echo
-        section "$DIR/$name/$kernels/bench.md" "Time (s)" "Peak memory" "Errors" || echo "(no bench.md)"
-        echo
-      done ;;
+    decode) grep -E "^(not measured|from CPU|zoo bench)" "$log" ;;
     bench-*)
       if [ "$MODE" = rehearse ]; then grep "^zoo bench --dry_run" "$log"; return; fi
-      section "$DIR/$name/bench.md" "Time (s)" "Peak memory" "Against sdpa" "Against the matching peer" "Errors" ;;
+      case $name in bench-patterns) runs="flex chunked" ;; bench-content) runs="flex-triton chunked" ;;
+        *) runs="fla zoo" ;; esac
+      for run in $runs; do
+        echo "**$run** ($name/$run/bench.md):"
+        echo
+        section "$DIR/$name/$run/bench.md" "Time (s)" "Peak memory" "Against sdpa" "Errors" || echo "(no bench.md)"
+        echo
+      done ;;
   esac
 }
 

@@ -1,6 +1,7 @@
 """The prepared GPU check without a GPU: ``scripts/gpu_check.sh --rehearse`` resolves every step (imports, the bench
-argument lists, the CUDA tests' collection, writable folders, the summary), and the wheel checks of
-``scripts/gpu_tools.py`` (what ``scripts/gpu_wheels.sh`` carries) judge requirements against the GPU machine."""
+argument lists, the CUDA tests' collection, writable folders, the summary; each step fits one device call), and the
+wheel checks of ``scripts/gpu_tools.py`` (what ``scripts/gpu_wheels.sh`` carries) judge requirements against the GPU
+machine."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-STEPS = ["install", "env", "flex-tests", "bench-flex-8k", "bench-flex-32k", "bench-chunked", "fla-tests",
-         "bench-recurrent", "bench-sparse"]
+STEPS = ["install", "env", "cuda-tests", "bench-patterns", "bench-content", "bench-recurrent", "decode"]
+PRELUDE = ("install", "env")  # run before every step named with --steps
+# the test_cuda_* tests: Flex (6 pattern cases x fp32, bf16; moba, nsa x 2 paddings), dsa's Triton kernels (fp32,
+# bf16; their module skips without triton), fla's (4 kernels x (bf16, fp32 fallback) + 4 models; nsa: 2 shapes + 1)
+CUDA_TESTS = 12 + 4 + (2 if importlib.util.find_spec("triton") else 0) + 15
 
 
 def load_tools():
@@ -43,14 +47,18 @@ def test_the_rehearsal_resolves_every_step_without_a_gpu(tmp_path):
     for step in STEPS:
         assert f"| {step} | ok | 0 |" in summary
         assert f"## {step}: ok" in summary
-    budgets = [int(b) for b in re.findall(r"^\| [\w-]+ \| [^|]+ \| -?\d+ \| [\d.]+ \| (\d+) \|", summary, re.M)]
-    assert len(budgets) == len(STEPS) and sum(budgets) <= 560  # the device's 600 s a command, less the summary
-    assert "12 tests collected" in summary  # the Flex CUDA tests: 6 cases x fp32, bf16
-    # fla's: 4 kernels x (bf16, fp32 fallback) + 4 models; nsa's selected blocks: 2 shapes + 1 model
-    assert "15/" in summary and "tests collected" in summary
+    budgets = dict(re.findall(r"^\| ([\w-]+) \| [^|]+ \| -?\d+ \| [\d.]+ \| (\d+) \|", summary, re.M))
+    assert list(budgets) == STEPS
+    prelude = sum(int(budgets[step]) for step in PRELUDE)
+    for step in STEPS[len(PRELUDE):]:  # one step a device call: under 8 minutes, and with install and env under the
+        assert int(budgets[step]) <= 480 and prelude + int(budgets[step]) <= 560, step  # 600 s a command allows
+    assert f"{CUDA_TESTS}/" in summary and "tests collected" in summary
     assert re.search(r"\| zoo package \| imports .* \| carried \|", summary)  # the wheel, not the tree
-    assert summary.count("zoo bench --dry_run: would run") == 6  # bench-recurrent: on fla, on the zoo's kernels
-    assert (tmp_path / "check" / "logs" / "bench-sparse.log").is_file()
+    # (b), (c), (d): two runs each (Flex or fla or Triton, then the zoo's kernels); (e): zoo bench --decode refuses CUDA
+    assert summary.count("zoo bench --dry_run: would run") == 6
+    assert "not measured: zoo bench --decode refuses --device cuda" in summary
+    for step in STEPS:
+        assert (tmp_path / "check" / "logs" / f"{step}.log").is_file()
 
 
 def make_wheel(folder: Path, name: str, version: str, requires: list[str]) -> Path:
@@ -128,9 +136,9 @@ def test_steps_selects_install_env_and_the_steps_named(tmp_path):
         return subprocess.run(["bash", "scripts/gpu_check.sh", "--rehearse", *args, str(tmp_path / "check")],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
-    result = check("--steps=bench-sparse,install")
+    result = check("--steps=decode,bench-content,install")
     summary = (tmp_path / "check" / "summary.md").read_text()
     assert result.returncode == 0, summary
-    assert re.findall(r"^\| ([\w-]+) \| ok \|", summary, re.M) == ["install", "env", "bench-sparse"]
+    assert re.findall(r"^\| ([\w-]+) \| ok \|", summary, re.M) == ["install", "env", "bench-content", "decode"]
     result = check("--steps=no-such-step")
     assert result.returncode == 2 and "no step no-such-step" in result.stderr
