@@ -16,7 +16,7 @@ import torch
 from zoo.ops import expand_kv
 from zoo.ops import moba as moba_ops
 from zoo.ops import nsa as nsa_ops
-from zoo.ops.backends import choice, flex_blocks
+from zoo.ops.backends import choice, flex, flex_blocks
 from zoo.ops.chosen_blocks import selected_blocks_mask
 from zoo.ops.moba import kernel as moba_kernel
 from zoo.plug import backend as backends
@@ -74,10 +74,10 @@ def test_each_nsa_branch_on_flex_equals_its_chunked_branch():
     args = (call, variant.geometry, call.weights.key_compressor, call.weights.value_compressor, HEADS // KV_HEADS)
     expanded = expand_kv(k, v, HEADS)
     with torch.no_grad():
-        flex = nsa_ops.nsa_flex(q, *expanded, *args, compiled=False)
+        on_flex = nsa_ops.nsa_flex(q, *expanded, *args, compiled=False)
         with backends.attention_backend("chunked"):
             chunked = nsa_ops.nsa_branches(q, *expanded, *args)
-    for branch, got, want in zip(("compressed", "selected", "window"), flex, chunked, strict=True):
+    for branch, got, want in zip(("compressed", "selected", "window"), on_flex, chunked, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, msg=branch)
 
 
@@ -155,6 +155,23 @@ def test_auto_keeps_the_chunked_kernel_until_flex_is_measured(monkeypatch):
         with backends.attention_backend("chunked"):
             run_variant(variant, q, k, v, call)
     assert len(calls) == 1
+
+
+def test_past_the_recompile_limit_auto_takes_the_chunked_kernel_and_flex_raises(monkeypatch):
+    def recompiles(*args):
+        raise flex.FlexRecompileLimitError("compiled flex_attention reached the recompile limit")
+
+    monkeypatch.setattr(moba_kernel, "chosen_blocks_attention", recompiles)
+    monkeypatch.setitem(backends.CPU_CROSSOVER, "moba", 64)
+    variant = make_variant("moba")
+    q, k, v, _ = gqa_inputs(None)
+    call = make_call(True, heads=HEADS)
+    with torch.no_grad():
+        got = run_variant(variant, q, k, v, call)
+        with backends.attention_backend("chunked"):
+            torch.testing.assert_close(got, run_variant(variant, q, k, v, call))
+        with backends.attention_backend("flex"), pytest.raises(backends.FlexUnavailableError, match="recompile"):
+            run_variant(variant, q, k, v, call)
 
 
 def test_a_forced_flex_call_that_needs_a_cpu_backward_raises():

@@ -49,7 +49,8 @@ __all__ = ["BACKENDS", "CPU_CROSSOVER", "CUDA_MEASURED", "FlexUnavailableError",
 
 @contextlib.contextmanager
 def attention_backend(backend: str, compiled: bool = True) -> Iterator[None]:
-    """Force ``"flex"``, ``"chunked"`` or ``"auto"`` for the exact pattern variants inside the block.
+    """Force ``"flex"``, ``"chunked"`` or ``"auto"`` for the exact pattern variants and the content-chosen ``moba``
+    and ``nsa`` inside the block.
 
     ``compiled=False`` runs FlexAttention's eager reference (O(n²) memory; it ignores the block mask): for tests only.
     """

@@ -13,11 +13,12 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 
 from zoo.call import AttentionCall
-from zoo.ops.backends.flex import DTYPES
+from zoo.ops.backends.flex import DTYPES, FlexRecompileLimitError
 
 BACKENDS = ("auto", "flex", "chunked")
 # CPU, eval forward: the length from which compiled Flex beat the variant's chunked kernel (measured, see README).
@@ -75,6 +76,22 @@ def content_flex(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         )
     _log_once(name, reason)
     return False
+
+
+def on_flex(name: str, run: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+    """``run()`` (a content-chosen kernel on Flex), or None where compiled Flex would recompile past dynamo's limit
+    (and run eagerly, n x n scores): under ``"auto"`` logged once, the caller's chunked kernel runs; forced ``"flex"``
+    raises, naming why."""
+    try:
+        return run()
+    except FlexRecompileLimitError as error:
+        if SETTINGS["backend"] == "flex":
+            raise FlexUnavailableError(
+                f"attention_backend('flex') was forced, but attention-zoo variant {name!r} cannot run this call on "
+                f"FlexAttention: {error}. Raise torch._dynamo.config.recompile_limit."
+            ) from error
+        _log_once(name, str(error))
+        return None
 
 
 @functools.cache

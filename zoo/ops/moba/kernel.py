@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from zoo.call import AttentionCall
-from zoo.ops.backends.choice import compiled, content_flex
+from zoo.ops.backends.choice import compiled, content_flex, on_flex
 from zoo.ops.backends.flex_blocks import chosen_blocks_attention
 from zoo.ops.block_grouped import block_grouped_attention, by_key_block_applies
 from zoo.ops.choose import select_by_query_chunks, top_blocks
@@ -98,8 +98,10 @@ def moba_attention(
     where the backend setting picks it (:func:`zoo.ops.backends.choice.content_flex`: forced, or measured), by key
     block on the CPU flash kernels where they take the call (:func:`zoo.ops.block_grouped.by_key_block_applies`),
     else one gathered entry per query."""
-    if content_flex("moba", q, k, v, call):
-        return moba_flex(q, k, v, call, block, top_k, compiled())
+    if content_flex("moba", q, k, v, call) and (
+        out := on_flex("moba", lambda: moba_flex(q, k, v, call, block, top_k, compiled()))
+    ) is not None:
+        return out
     blocks, chosen, positions = moba_selection(q, k, call, block, top_k)
     if by_key_block_applies(q, k, call):
         return block_grouped_attention(

@@ -40,7 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from zoo.call import AttentionCall
 from zoo.ops import limits
 from zoo.ops.backends import flex
-from zoo.ops.backends.choice import compiled, content_flex
+from zoo.ops.backends.choice import compiled, content_flex, on_flex
 from zoo.ops.backends.fla import fla_nsa_kernel, fla_nsa_selected
 from zoo.ops.backends.flex_blocks import chosen_blocks_attention, visible_keys_attention
 from zoo.ops.block_grouped import ChunkedFlash, band_attention, block_grouped_attention, by_key_block_applies
@@ -253,8 +253,10 @@ def nsa_branches(
 ):
     """(compressed, selected, window) outputs (B, H, Q, Dv) each over one row span (Q = n); ``groups`` query heads
     per KV head (see :func:`span_parts`). On FlexAttention where the backend setting picks it (:func:`nsa_flex`)."""
-    if content_flex("nsa", q, k, v, call):
-        return nsa_flex(q, k, v, call, geometry, compress_k, compress_v, groups, compiled())
+    if content_flex("nsa", q, k, v, call) and (
+        parts := on_flex("nsa", lambda: nsa_flex(q, k, v, call, geometry, compress_k, compress_v, groups, compiled()))
+    ) is not None:
+        return parts
     keys, values, visible, blocks, chosen, positions = span_parts(
         q, k, v, call, geometry, compress_k, compress_v, groups
     )
