@@ -61,7 +61,7 @@ def test_nothing_evicted_equals_sdpa_logits_and_greedy_tokens(policy):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_evicts_to_the_budget_keeps_sinks_recent_and_no_padding(policy):
     ids, mask = prompts(length=60, left_pad=7)
-    m = model(tokens=24, sinks=3, recent=6, policy=policy)
+    m = model(tokens=24, sinks=3, recent=6, policy=policy, slack=0)  # evicts after every call
     _, cache = cache_after(m, ids, mask, new=5)
     seen = 64  # the last generated token is never fed back
     for layer in cache.layers:
@@ -159,7 +159,7 @@ def test_left_padded_row_decodes_as_it_does_alone(policy):
 
 def test_chunked_prefill_holds_at_most_budget_plus_chunk_and_decodes():
     ids, mask = prompts(length=96, left_pad=4)
-    m = model(tokens=24, sinks=2, recent=4, policy="h2o")
+    m = model(tokens=24, sinks=2, recent=4, policy="h2o", slack=0)
     held = []
     original = BudgetedLayer.update
 
@@ -192,7 +192,8 @@ def test_beam_search_with_and_without_eviction():
 
 
 def test_hybrid_per_layer_budgets():
-    m = model("hybrid", layers=["sdpa", {"variant": "budget", "params": {"tokens": 16, "sinks": 2, "recent": 4}}])
+    budgeted = {"variant": "budget", "params": {"tokens": 16, "sinks": 2, "recent": 4, "slack": 0}}
+    m = model("hybrid", layers=["sdpa", budgeted])
     ids, mask = prompts(length=40, left_pad=2)
     _, cache = cache_after(m, ids, mask, new=4)
     assert type(cache.layers[0]) is DynamicLayer and cache.layers[0].keys.shape[-2] == 43
@@ -200,7 +201,7 @@ def test_hybrid_per_layer_budgets():
 
 
 def test_per_layer_token_list():
-    _, cache = cache_after(model(tokens=[16, 32], sinks=2, recent=4), *prompts(length=60), new=2)
+    _, cache = cache_after(model(tokens=[16, 32], sinks=2, recent=4, slack=0), *prompts(length=60), new=2)
     assert [layer.keys.shape[-2] for layer in cache.layers] == [16, 32]
 
 
@@ -246,6 +247,6 @@ def test_smollm2_budget_equals_sdpa_when_nothing_is_evicted_and_stays_bounded():
         full = m(ids).logits
         zoo.configure(m, "budget", tokens=ids.shape[1] + 8, sinks=4, recent=16, policy="tova")
         torch.testing.assert_close(m(ids).logits, full, atol=0, rtol=0)
-        zoo.configure(m, "budget", tokens=64, sinks=4, recent=16, policy="tova")
+        zoo.configure(m, "budget", tokens=64, sinks=4, recent=16, policy="tova", slack=0)
         out = m.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
     assert all(layer.keys.shape[-2] == 64 for layer in out.past_key_values.layers)

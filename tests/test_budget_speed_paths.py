@@ -7,8 +7,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import zoo
 from zoo.cache import BudgetedLayer, Policy
 from zoo.cache.budgeted import HELD, ROOM
 from zoo.ops import softmax_attention
@@ -137,3 +139,50 @@ def test_a_decoding_query_over_earlier_keys_matches_the_dense_reference(padded):
             allowed = (real[:, kv] & (pos[:, kv] <= query_pos))[:, None, :]
             ref = softmax_attention(q[:, head], keys[:, kv], values[:, kv], allowed, 0.3)
             torch.testing.assert_close(out[:, head], ref, atol=1e-5, rtol=1e-4)
+
+
+def test_the_default_slack_scores_once_per_tokens_over_16_plus_one_tokens(monkeypatch):
+    """``slack`` left out: tokens // 16 (3 for 48 keys), so after the prefill's eviction a layer evicts once per 4
+    decoded tokens (slack 0: at every one), holding at most tokens + slack keys and counting tokens + slack + 1
+    rows of bytes."""
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = zoo.configure(transformers.LlamaForCausalLM(config).eval(), "budget", tokens=48, sinks=2, recent=4,
+                          policy="knorm")
+    spy, held = _Spy(monkeypatch), []
+    original = BudgetedLayer.update
+
+    def update(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        held.append(self.keys.shape[-2])
+        return result
+
+    monkeypatch.setattr(BudgetedLayer, "update", update)
+    ids = torch.randint(3, 64, (1, 60), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=13, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    layers = out.past_key_values.layers
+    assert [layer.slack for layer in layers] == [3, 3]
+    assert len(spy.seen) == 2 * (1 + 12 // 4), "per layer: the prefill's eviction, then one per 4 decoded tokens"
+    assert max(held[2:]) == 48 + 3 + 1  # a decoding call holds one more before its eviction
+    per_row = 2 * (2 * 8 * 4 + 8 + 1 + 4)  # KV heads x (keys, values, position, real, mass)
+    assert zoo.cache.cache_nbytes(out.past_key_values) == 2 * (48 + 3 + ROOM) * per_row
+
+
+def test_eviction_timing_does_not_change_what_sinks_recent_keeps():
+    """With slack the evictions come in batches, and each leaves what slack 0 holds at the same token."""
+    every, batched = (BudgetedLayer(20, sinks=2, recent=18, policy="sinks_recent", slack=slack) for slack in (0, 4))
+    gens = [torch.Generator().manual_seed(6) for _ in range(2)]
+    step(every, 30, gens[0])
+    step(batched, 30, gens[1])
+    compared = 0
+    for _ in range(15):
+        step(every, 1, gens[0])
+        step(batched, 1, gens[1])
+        assert batched.keys.shape[-2] <= 24
+        if batched.keys.shape[-2] == 20:
+            compared += 1
+            for name in HELD:
+                assert torch.equal(getattr(batched, name), getattr(every, name)), name
+    assert compared == 3

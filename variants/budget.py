@@ -1,9 +1,12 @@
 """``budget``: bounded decoding memory for a model trained with full attention, no retraining. Forwards without a
 cache (training, scoring, ``use_cache=False``) run the ``inner`` variant unchanged; decoding keeps, per batch row and
 KV head, the first ``sinks`` real tokens, the last ``recent`` ones and the best-scoring others up to ``tokens`` keys
-in all (:class:`zoo.cache.BudgetedLayer`), evicting after every call once it holds more than ``tokens + slack``, also
-between the chunks of ``generate(prefill_chunk_size=...)``. Scores come from this kernel's own call (the queries, the
-kept keys, the log-sum-exp; :mod:`zoo.ops.kept`), never from an n x n matrix.
+in all (:class:`zoo.cache.BudgetedLayer`), evicting after a call once it holds more than ``tokens + slack``
+(default ``slack``: ``tokens // 16``, so a decoding step scores and moves keys once per ``tokens // 16 + 1`` tokens;
+``slack=0``: after every call), also between the chunks of ``generate(prefill_chunk_size=...)``. Scores come from
+this kernel's own call (the queries, the kept keys, each query's softmax; :mod:`zoo.ops.kept`), never from an n x n
+matrix. A decoding step writes its key into buffers with a row of room and evicts in place (``tokens + slack + 1``
+rows held, all counted by ``zoo.cache_nbytes``).
 
 ``zoo.configure(model, "budget", inner="sdpa", tokens=512, sinks=4, recent=64, policy="snapkv")``; ``tokens`` may be
 a list (one value per layer), or use ``hybrid`` to mix full, window and budgeted layers. ``policy`` is a KV policy
@@ -28,6 +31,8 @@ from zoo.ops.kept import kept_attention
 from zoo.registry import UnknownPolicyError, get_policy_class, get_variant_class, list_policies
 from zoo.variant import AttentionCall, Param, Variant, VariantParameterError
 
+SLACK_SHARE = 16  # the default slack is tokens // 16: a policy scores every kept key once per tokens // 16 + 1 tokens
+
 
 class BudgetAttention(Variant):
     name = "budget"
@@ -42,7 +47,9 @@ class BudgetAttention(Variant):
         "policy": Param(DEFAULT_POLICY, (str, dict, Policy), "how the other kept keys are chosen: a KV policy's "
                         f"name ({', '.join(POLICIES)} or a plugin's), a dict of its name and fields "
                         "({'name': 'snapkv', 'window': 64}) or a zoo.cache.Policy"),
-        "slack": Param(0, int, "evict once more than tokens + slack keys are held (0: after every call)", min=0),
+        "slack": Param(None, int, "evict once more than tokens + slack keys are held (0: after every call; None: "
+                       f"tokens // {SLACK_SHARE}, so scoring and moving keys cost O(1) per decoded token amortised)",
+                       min=0, optional=True),
         "window": Param(None, int, "deprecated: the policy's own field now, e.g. policy={'name': 'snapkv', 'window': "
                         "32}", min=1, optional=True),
     }
@@ -90,7 +97,9 @@ class BudgetAttention(Variant):
         return policy
 
     def cache_layer(self, layer_idx: int, config: Any) -> BudgetedLayer:
-        return BudgetedLayer(self.per_layer("tokens", layer_idx), self.sinks, self.recent, self.kv_policy, self.slack,
+        tokens = self.per_layer("tokens", layer_idx)
+        slack = tokens // SLACK_SHARE if self.slack is None else self.slack
+        return BudgetedLayer(tokens, self.sinks, self.recent, self.kv_policy, slack,
                              max_positions=getattr(config, "max_position_embeddings", None))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
