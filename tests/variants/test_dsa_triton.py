@@ -86,6 +86,12 @@ def test_interpreted_kernels_equal_the_zoo_kernel_forward_target_and_backward():
         assert w is not None, name
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4, msg=name)
     assert bool((want[0][-1, :, :9] == 0).all())  # padded queries: no key, zeros
+    with torch.no_grad():  # inference (no target pass), and a decoding step's few queries over every key
+        plain, target = triton_dsa_kernels.topk_attention(q, k, v, index, chosen, call.scaling)
+        step, _ = triton_dsa_kernels.topk_attention(q[:, :, -3:], k, v, index[:, -3:], chosen[:, -3:], call.scaling)
+    assert target is None
+    torch.testing.assert_close(plain, got[0])
+    torch.testing.assert_close(step, got[0][:, :, -3:])
 
 
 @interpreted
