@@ -97,10 +97,12 @@ class BudgetAttention(Variant):
         return policy
 
     def cache_layer(self, layer_idx: int, config: Any) -> BudgetedLayer:
-        tokens = self.per_layer("tokens", layer_idx)
+        return self.layer_of(self.per_layer("tokens", layer_idx), getattr(config, "max_position_embeddings", None))
+
+    def layer_of(self, tokens: int, max_positions: int | None = None) -> BudgetedLayer:
+        """The cache layer that keeps ``tokens`` keys under this variant's policy, sinks, recent keys and slack."""
         slack = tokens // SLACK_SHARE if self.slack is None else self.slack
-        return BudgetedLayer(tokens, self.sinks, self.recent, self.kv_policy, slack,
-                             max_positions=getattr(config, "max_position_embeddings", None))
+        return BudgetedLayer(tokens, self.sinks, self.recent, self.kv_policy, slack, max_positions=max_positions)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         layer = call.cache

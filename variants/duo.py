@@ -46,7 +46,7 @@ class DuoAttention(Variant):
         "recent": Param(256, int, "latest tokens (the query's own included) every streaming head keeps", min=1),
         "inner": Param("sdpa", str, "the exact full-attention variant of the full heads"),
         "full_budget": Param(None, dict, "decoding only: a budget on the full heads' cache, {'budget': share of the "
-                             "prompt kept, or 'tokens': count, 'policy': 'snapkv', 'sinks': 4, 'recent': 64}",
+                             "prompt kept, or 'tokens': count, and the budget's 'policy', 'sinks', 'recent', 'slack'}",
                              optional=True),
     }
     test_params = {"full_heads": [[0]], "sinks": 2, "recent": 8}
@@ -75,15 +75,15 @@ class DuoAttention(Variant):
         spec = self.full_budget
         if spec is None:
             return None
-        unknown = set(spec) - {"budget", "tokens", "policy", "sinks", "recent"}
+        unknown = set(spec) - {"budget", "tokens", "policy", "sinks", "recent", "slack"}
         share = spec.get("budget")
         if unknown or (share is None) == (spec.get("tokens") is None) or (
                 share is not None and not 0 < share <= 1):
             raise VariantParameterError(
                 f"attention-zoo variant 'duo': parameter 'full_budget' = {spec!r} must give either 'budget' (the "
                 "share of the prompt the full heads keep, in (0, 1]) or 'tokens', plus optional 'policy', 'sinks', "
-                "'recent'; e.g. {'budget': 0.25, 'policy': 'snapkv'}.")
-        options = {key: spec[key] for key in ("policy", "sinks", "recent") if key in spec}
+                "'recent', 'slack'; e.g. {'budget': 0.25, 'policy': 'snapkv'}.")
+        options = {key: spec[key] for key in ("policy", "sinks", "recent", "slack") if key in spec}
         try:
             return get_variant_class("budget")(inner=self.inner, tokens=spec.get("tokens") or 10**9, **options)
         except VariantParameterError as exc:
@@ -98,8 +98,7 @@ class DuoAttention(Variant):
             share = self.full_budget.get("budget")
             floor = budget.sinks + budget.recent
             tokens = max(floor, math.ceil(share * prompt)) if share is not None else budget.tokens
-            return BudgetedLayer(tokens, budget.sinks, budget.recent, budget.kv_policy, budget.slack,
-                                 max_positions=max_positions)
+            return budget.layer_of(tokens, max_positions)
 
         return build
 

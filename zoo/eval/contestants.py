@@ -57,7 +57,8 @@ def configure_for(model, contestant: dict[str, Any], length: int) -> dict[str, A
         return {}
     if family == "folder":
         return {}
-    as_kv = {**contestant, "family": "longformer" if family == "window" else family,
+    # a budget keeps the variant's default slack unless the config names one (the KV benchmark's own default is 0)
+    as_kv = {"slack": None, **contestant, "family": "longformer" if family == "window" else family,
              "budget": kept_fraction(contestant, length)}
     kwargs = prepare(model, as_kv, length)
     contestant["tokens_kept"] = as_kv.get("tokens")
