@@ -16,11 +16,14 @@ from transformers import AutoTokenizer
 
 from zoo.eval.cli import main
 from zoo.eval.config import EvalConfigError, expand_contestants, load_config
+from zoo.eval.contestants import configure_for
 from zoo.eval.perplexity import documents, token_losses
 from zoo.eval.report import overall, zoo_against_kvpress
 from zoo.eval.rows import with_fields
 from zoo.eval.scoring import summarize
+from zoo.plug.spec import variant_for
 from zoo.reporting import read_jsonl
+from zoo.testing import tiny_model_config
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +174,13 @@ def test_the_zoo_against_kvpress_verdict_reads_the_intervals():
              _row("kvpress KNorm 25%", "kvpress", 0.25, "a", [1.0, 1.0, 0.0] * 2)]
     assert "tie" in zoo_against_kvpress(close, [1024])[0]
     assert json.dumps(answers)  # rows stay JSON
+
+
+def test_budget_contestants_keep_the_variants_default_slack():
+    """The eval measures ``budget`` as users get it (slack tokens // 16), not the KV benchmark's slack 0."""
+    model = transformers.AutoModelForCausalLM.from_config(tiny_model_config("llama", "sdpa"))
+    contestant = expand_contestants([{"family": "budget", "policies": ["snapkv"], "budgets": [0.25]}])[0]
+    configure_for(model, contestant, 1024)
+    assert variant_for(model.config).slack is None and contestant["tokens_kept"] == 256
+    configure_for(model, {**contestant, "slack": 0}, 1024)
+    assert variant_for(model.config).slack == 0
