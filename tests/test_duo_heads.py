@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -229,3 +230,10 @@ def test_binary_gates_are_the_saved_duo_layout():
     zoo_configure(model, "duo", full_heads=[[], [0]], sinks=SINKS, recent=RECENT)
     with torch.no_grad():
         torch.testing.assert_close(model.model(input_ids=ids).last_hidden_state, gated, atol=1e-5, rtol=1e-5)
+
+
+def test_every_shipped_duo_config_loads():
+    shipped = sorted((Path(__file__).resolve().parents[1] / "recipes" / "configs" / "duo").glob("*.yaml"))
+    assert shipped
+    for path in shipped:
+        assert load_config(path).fractions, path

@@ -367,7 +367,7 @@ def run(cfg: DuoConfig) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="duo", description="Choose DuoAttention's full KV heads two ways.")
-    parser.add_argument("config", help="recipes/configs/retrofit/smollm2_duo_cpu.yaml or one like it")
+    parser.add_argument("config", help="recipes/configs/duo/smollm2_cpu.yaml or one like it")
     parser.add_argument("--output_dir", "--output-dir", default=None, help="override the config's output_dir")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
