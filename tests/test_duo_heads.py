@@ -235,5 +235,7 @@ def test_binary_gates_are_the_saved_duo_layout():
 def test_every_shipped_duo_config_loads():
     shipped = sorted((Path(__file__).resolve().parents[1] / "recipes" / "configs" / "duo").glob("*.yaml"))
     assert shipped
-    for path in shipped:
-        assert load_config(path).fractions, path
+    for path in shipped:  # a Hub model's config is checked with the bundled model (no Hub here)
+        model = yaml.safe_load(path.read_text())["model"]
+        overrides = {"model": "smollm2"} if "/" in model and not Path(model).exists() else None
+        assert load_config(path, overrides).fractions, path
