@@ -419,9 +419,10 @@ def test_compare_exits_non_zero_after_reporting_a_failed_run(workdir, tiny_confi
 CONFIGS = REPO / "recipes" / "configs"
 EVAL_CONFIGS = CONFIGS / "eval"  # `zoo eval` configs, checked in tests/eval
 RETROFIT_CONFIGS = CONFIGS / "retrofit"  # the retrofit recipe's, checked in tests/test_retrofit.py
+DUO_CONFIGS = CONFIGS / "duo"  # recipes/duo.py's, checked in tests/test_duo_heads.py
 FINETUNE_CONFIGS = sorted(
     p for p in CONFIGS.rglob("*.yaml")
-    if not p.name.startswith("compare") and EVAL_CONFIGS not in p.parents and RETROFIT_CONFIGS not in p.parents
+    if not p.name.startswith("compare") and not {EVAL_CONFIGS, RETROFIT_CONFIGS, DUO_CONFIGS} & set(p.parents)
 )
 COMPARE_CONFIGS = sorted(CONFIGS.glob("compare*.yaml"))
 
