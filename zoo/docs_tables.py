@@ -59,7 +59,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "Composite": (
         "built from the others: a variant per layer or per head, or a bounded KV cache around an exact variant",
-        ("hybrid", "budget", "duo"),
+        ("hybrid", "budget", "duo", "window_state"),
     ),
 }
 
@@ -101,6 +101,9 @@ ABOUT: dict[str, tuple[str, str]] = {
                "[H2O](https://arxiv.org/abs/2306.14048), [SnapKV](https://arxiv.org/abs/2404.14469)"),
     "duo": ("a head-level layout: some KV heads keep every key, the others sinks + recent keys (prefill and cache)",
             "[Xiao et al. 2024 (DuoAttention)](https://arxiv.org/abs/2410.10819)"),
+    "window_state": ("a softmax window and a recurrent state in one layer: the state holds the keys that left the "
+                     "window (one normalizer, or a learned mix)",
+                     "[LoLCATs](https://arxiv.org/abs/2410.10254), [Liger](https://arxiv.org/abs/2503.01496)"),
 }
 
 
