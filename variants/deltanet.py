@@ -94,6 +94,7 @@ class DeltaNetAttention(Variant):
         with torch.autocast(device_type=q.device.type, enabled=False):
             source = gate_source(weights.hidden_states, k, weights.beta.in_features, self.name).to(dtype)
             q, k, v = (x.to(dtype) for x in (q, k, v))
+            keys = k  # as they arrive (after the host's rotary embedding), before the convolution and norms
             if weights.conv is not None:
                 q, k, v = weights.conv(q, k, v, mask, state)
             else:
@@ -102,7 +103,7 @@ class DeltaNetAttention(Variant):
             beta = torch.sigmoid(F.linear(source, weights.beta.weight.to(dtype))).transpose(1, 2)  # (B, H, n)
             if self.allow_negative_eigenvalues:
                 beta = 2 * beta
-            log_decay = self.log_decay(weights, source)
+            log_decay = self.log_decay(weights, source, keys)
             if mask is not None:
                 real = mask[:, None, :]
                 beta = beta * real
@@ -111,8 +112,9 @@ class DeltaNetAttention(Variant):
                     log_decay = log_decay.masked_fill(~real, 0.0)
         return q, k, v, beta, log_decay
 
-    def log_decay(self, weights: nn.Module, source: torch.Tensor) -> torch.Tensor | None:
-        """log α (B, H, n) of each token; None: no decay (DeltaNet)."""
+    def log_decay(self, weights: nn.Module, source: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
+        """log α (B, H, n) of each token from the gate source (B, n, hidden) or the layer's keys (B, H, n, d_k, before
+        the convolution and norms); None: no decay (DeltaNet)."""
         return None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:

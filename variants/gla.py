@@ -11,11 +11,19 @@
   Mamba2 / SSD core (:class:`zoo.modules.Mamba2Decay`, Mamba2's init);
 * ``"fixed"``: RetNet's per-head γ_h = 1 − 2^(−5−h), no learned gate.
 
+``gates`` picks what the data-dependent decays read: ``"learned"`` (default) the gate weights above;
+``"keys"`` Liger's gate (Lan et al. 2025), made from the layer's own keys with no weights, log α =
+logsigmoid(Pool(k)) / 16 (:func:`zoo.modules.key_log_decay`): per channel (``"channel"``) each key channel's own
+value, per head (``"scalar"``) the mean of the head's key channels. A retrofit then starts from gates the pretrained
+key projection already makes. The keys are the ones this kernel receives: after the host's rotary embedding (Liger
+pools the key projection's output before it; the zoo hands variants the rotated keys only), before the short
+convolution. ``decay="fixed"`` has no gate to derive and refuses ``gates="keys"``.
+
 q and k enter as the model gives them (fla's GLA has no feature map; with ``short_conv`` > 0 they are SiLU of their
 convolution, as are the values); there is no denominator (as in GLA and RetNet): the output is scaled by d_k^−½,
 then RMS-normalized per head with a learned gain (``output_norm``, default True: fla's ``g_norm``,
-:class:`zoo.modules.OutputNorm`). The paper's output gate is left out. Gates read the attention
-module's input hidden states (outside a model: the keys, heads merged). Padded tokens write nothing (k, v and the
+:class:`zoo.modules.OutputNorm`). The paper's output gate is left out. Learned gates read the attention module's
+input hidden states (outside a model: the keys, heads merged). Padded tokens write nothing (k, v and the
 convolution inputs zeroed, α = 1). Kernel: :func:`zoo.ops.gated_linear.gated_linear_attention` (chunkwise, every
 exponent ≤ 0; bf16/fp16 on CUDA with ``attention-zoo[fla]``: fla's ``chunk_gla`` / ``chunk_simple_gla``,
 :mod:`zoo.ops.backends.fla`); :meth:`reference` is the recurrence. The host's rotary embedding reaches q and k
@@ -31,26 +39,46 @@ import torch
 from torch import nn
 
 from zoo.cache import RecurrentLayer
-from zoo.modules import LowRankDecay, Mamba2Decay, OutputNorm, ShortConv, gate_source, normalized, retnet_log_decay
+from zoo.modules import (
+    LowRankDecay,
+    Mamba2Decay,
+    OutputNorm,
+    ShortConv,
+    gate_source,
+    key_log_decay,
+    normalized,
+    retnet_log_decay,
+)
 from zoo.ops.backends.fla import model_dtype_inputs
 from zoo.ops.gated_linear import gated_linear_attention, gated_linear_flops
 from zoo.ops.gated_linear.naive import gated_linear_recurrence
 from zoo.ops.state import carried, state_dtype
-from zoo.variant import AttentionCall, LayerWeights, Param, Variant
+from zoo.variant import AttentionCall, LayerWeights, Param, Variant, VariantParameterError
 
 STATE = "gla"
 
 
 class GLAWeights(LayerWeights):
-    """One layer's decay gate (none for ``decay="fixed"``) and optional short convolutions."""
+    """One layer's decay gate (none for ``decay="fixed"`` or ``gates="keys"``) and optional short convolutions."""
 
     needs_hidden_states = True
 
-    def __init__(self, hidden_size: int, heads: int, head_dim: int, decay: str, short_conv: int,
-                 output_norm: bool) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        heads: int,
+        head_dim: int,
+        decay: str,
+        short_conv: int,
+        output_norm: bool,
+        gates: str = "learned",
+    ) -> None:
         super().__init__()
         self.hidden_size = hidden_size
-        if decay == "channel":
+        self.needs_hidden_states = gates == "learned" and decay != "fixed"  # only learned gates read them
+        if gates == "keys":
+            self.decay = None
+        elif decay == "channel":
             self.decay = LowRankDecay(hidden_size, heads, head_dim)
         elif decay == "scalar":
             self.decay = Mamba2Decay(hidden_size, heads)
@@ -68,23 +96,45 @@ class GLAAttention(Variant):
     time_complexity = "O(n·C·d + n·d²)"
     memory_complexity = "O(n·C·d)"
     params = {
-        "decay": Param("channel", str, "'channel': per key channel (GLA); 'scalar': per head (Mamba2/SSD); "
-                       "'fixed': RetNet's γ_h = 1 − 2^(−5−h)", choices=("channel", "scalar", "fixed")),
+        "decay": Param(
+            "channel",
+            str,
+            "'channel': per key channel (GLA); 'scalar': per head (Mamba2/SSD); 'fixed': RetNet's γ_h = 1 − 2^(−5−h)",
+            choices=("channel", "scalar", "fixed"),
+        ),
         "short_conv": Param(4, int, "taps of the causal depthwise convolution on q, k, v (0 = off)", min=0, max=64),
         "chunk_size": Param(None, int, "tokens per chunk (None: 16 per-channel, 64 per-head)", min=1, optional=True),
         "output_norm": Param(True, bool, "RMS-normalize each head's output, learned gain (fla's g_norm)"),
+        "gates": Param(
+            "learned",
+            str,
+            "'learned': gate weights read the hidden states; 'keys': Liger's gate from the "
+            "layer's keys, log α = logsigmoid(k, or its mean per head for 'scalar') / 16, no gate weights",
+            choices=("learned", "keys"),
+        ),
     }
     error_bound = 1e-4  # relative error vs ``reference`` (the recurrence)
     test_params = {"chunk_size": 16}
 
+    def check_config(self) -> None:
+        if self.gates == "keys" and self.decay == "fixed":
+            raise VariantParameterError(
+                "attention-zoo variant 'gla': parameter 'gates' = 'keys' derives a data-dependent decay from the "
+                "keys, but decay='fixed' (RetNet's γ_h) has none; use decay='channel' (Liger's GLA) or "
+                "decay='scalar' with gates='keys', or keep gates='learned'."
+            )
+
     def make_module(self, layer_idx: int, config, head_dim: int, num_heads: int) -> nn.Module | None:
         if not self.learns():
             return None
-        return GLAWeights(config.hidden_size, num_heads, head_dim, self.decay, self.short_conv, self.output_norm)
+        return GLAWeights(
+            config.hidden_size, num_heads, head_dim, self.decay, self.short_conv, self.output_norm, self.gates
+        )
 
     def learns(self) -> bool:
-        """False for RetNet's fixed decay without convolution or norm: nothing to learn."""
-        return self.decay != "fixed" or bool(self.short_conv) or self.output_norm
+        """False when no gate, convolution or norm has weights (RetNet's fixed decay, or gates from the keys)."""
+        learned_gate = self.decay != "fixed" and self.gates == "learned"
+        return learned_gate or bool(self.short_conv) or self.output_norm
 
     def cache_layer(self, layer_idx: int, config) -> RecurrentLayer:
         return RecurrentLayer()
@@ -98,6 +148,8 @@ class GLAAttention(Variant):
             if self.decay == "fixed":
                 log_decay = retnet_log_decay(q.shape[1]).to(device=q.device, dtype=dtype)
                 log_decay = log_decay[None, :, None].expand(q.shape[0], -1, k.shape[-2])
+            elif self.gates == "keys":  # Liger: from the keys as they arrive, before the convolution
+                log_decay = key_log_decay(k.to(dtype), per_channel=self.decay == "channel")
             else:
                 source = gate_source(weights.hidden_states, k, weights.hidden_size, self.name).to(dtype)
                 log_decay = weights.decay(source)  # the gates cast their weights to the source's dtype

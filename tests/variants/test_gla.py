@@ -93,9 +93,10 @@ def test_channel_gate_starts_as_documented():
     torch.testing.assert_close(log_decay, torch.full_like(log_decay, -0.6931471805599453 / 16))  # bias 0
 
 
+@pytest.mark.parametrize("gates", ["learned", "keys"])
 @pytest.mark.parametrize("decay", ["channel", "scalar"])
-def test_prefill_then_decode_equals_one_full_forward(decay):
-    model = testing.causal_lm("gla", decay=decay)
+def test_prefill_then_decode_equals_one_full_forward(decay, gates):
+    model = testing.causal_lm("gla", decay=decay, gates=gates)
     ids = torch.randint(3, 64, (2, 30), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[0, :4] = 0

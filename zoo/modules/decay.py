@@ -1,6 +1,7 @@
 """Decay parametrizations of gated recurrent layers (log α ≤ 0 per token): GLA's low-rank per-channel gate
-(:class:`LowRankDecay`), Mamba2's per-head gate (:class:`Mamba2Decay`) and RetNet's fixed per-head decays
-(:func:`retnet_log_decay`). Plain modules the variants' learned weights hold as ``decay``."""
+(:class:`LowRankDecay`), Mamba2's per-head gate (:class:`Mamba2Decay`), RetNet's fixed per-head decays
+(:func:`retnet_log_decay`) and Liger's gates pooled from the layer's own keys, without weights
+(:func:`key_log_decay`). Plain modules the variants' learned weights hold as ``decay``."""
 
 from __future__ import annotations
 
@@ -54,3 +55,13 @@ class Mamba2Decay(nn.Module):
 def retnet_log_decay(heads: int) -> torch.Tensor:
     """RetNet's fixed per-head decays, log γ_h with γ_h = 1 − 2^(−5−h) (h = 0 .. heads − 1), fp64."""
     return torch.log1p(-(2.0 ** (-5.0 - torch.arange(heads, dtype=torch.float64))))
+
+
+def key_log_decay(k: torch.Tensor, per_channel: bool, normalizer: float = 16.0) -> torch.Tensor:
+    """Liger's gate (Lan et al. 2025) from the layer's keys, no weights: log α = logsigmoid(Pool(k)) / ``normalizer``.
+
+    Pool is the identity per key channel (``per_channel``: k (B, H, n, d) -> log α (B, H, n, d), Liger's GLA) or the
+    mean of each head's d channels (-> (B, H, n): one gate per head, Liger's average pooling down to one value per
+    head). logsigmoid ≤ 0, so every log α ≤ 0 (α ∈ (0, 1]); in k's dtype."""
+    pooled = k if per_channel else k.mean(-1)
+    return F.logsigmoid(pooled) / normalizer
