@@ -75,7 +75,9 @@ ABOUT: dict[str, tuple[str, str]] = {
     "sparse_transformer": ("strided and fixed factorized patterns", "[Child et al. 2019](https://arxiv.org/abs/1904.10509)"),
     "performer": ("FAVOR+ positive orthogonal random features",
                   "[Choromanski et al. 2021](https://arxiv.org/abs/2009.14794)"),
-    "linear": ("linear attention, φ(x) = elu(x) + 1", "[Katharopoulos et al. 2020](https://arxiv.org/abs/2006.16236)"),
+    "linear": ("linear attention, φ(x) = elu(x) + 1, or Hedgehog's learned softmax feature maps",
+               "[Katharopoulos et al. 2020](https://arxiv.org/abs/2006.16236); "
+               "[Zhang et al. 2024 (Hedgehog)](https://arxiv.org/abs/2402.04347)"),
     "deltanet": ("delta rule S ← (I − βkkᵀ)S + βkvᵀ, chunkwise kernel, short convolution",
                  "[Schlag et al. 2021](https://arxiv.org/abs/2102.11174); "
                  "[Yang et al. 2024](https://arxiv.org/abs/2406.06484)"),

@@ -394,6 +394,12 @@ class Variant:
         ``pattern`` (e.g. ``linear``); tests only. A variant declares it by overriding it (`overrides`)."""
         raise NotImplementedError
 
+    def attention_weights(self, q: torch.Tensor, k: torch.Tensor, call: AttentionCall) -> torch.Tensor | None:
+        """Optional hook: the dense (batch, heads, q_len, kv_len) distribution of each query over the keys it may
+        see (rows sum to 1; q and k as ``attend`` gets them), for training losses on short sequences (a retrofit's
+        ``transfer.loss: attention``). O(n²): training and tests only. None, the default: the variant offers none."""
+        return None
+
     def check_call(self, call: AttentionCall, where: str = "") -> None:
         """Refuse a call this variant does not support (causal / bidirectional mode, attention dropout), naming the
         variant, ``where`` it runs (e.g. a layer of a hybrid) and the fix."""

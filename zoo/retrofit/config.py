@@ -7,7 +7,7 @@ Example::
     variant: gated_deltanet               # any causal zoo variant, plugins included
     variant_params: {short_conv: 4}
     data: {sequence_length: 1024, train_sequences: 16, held_out_sequences: 2}
-    transfer: {steps: 100, learning_rate: 1.0e-3, batch: 2, lora: {r: 8}}
+    transfer: {steps: 100, learning_rate: 1.0e-3, batch: 2, lora: {r: 8}}  # loss: output (default) | attention
     layouts:                              # one model each, all from the same stage 1
       - {name: every4, every: 4}          # full attention in layers 3, 7, 11, ...
       - {name: selected, keep_full: 7, by: kl}
@@ -25,7 +25,7 @@ import yaml
 
 from zoo.registry import get_variant_class
 from zoo.retrofit.selection import check_layout
-from zoo.retrofit.transfer import TransferSettings
+from zoo.retrofit.transfer import TransferSettings, loss_problem
 from zoo.training.config import FinetuneConfig
 from zoo.variant import TransferStage
 
@@ -123,6 +123,12 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Re
     if set(transfer_raw) - transfer_keys:
         raise RetrofitConfigError(f"{path}: transfer has unknown keys {sorted(set(transfer_raw) - transfer_keys)}; "
                                   f"known: {', '.join(sorted(transfer_keys))}.")
+    problem = loss_problem(transfer_raw.get("loss", "output"), transfer_raw.get("lora"), variant)
+    if problem:
+        raise RetrofitConfigError(f"{path}: {problem}")
+    if stage is not None and transfer_raw.get("loss", "output") != "output":
+        raise RetrofitConfigError(f"{path}: transfer.loss: stage 1 of {raw['variant']!r} is its own (its weights "
+                                  f"train by {stage.measure}); drop transfer.loss.")
     if stage is not None and transfer_raw.get("lora"):
         raise RetrofitConfigError(
             f"{path}: transfer.lora: stage 1 of {raw['variant']!r} runs its layers with "

@@ -76,8 +76,10 @@ def book_sequences(tokenizer, split: str, length: int, count: int) -> torch.Tens
 
 def fingerprint(cfg: RetrofitConfig) -> str:
     """What stage 1's result depends on: the model, the variant, the layers, the data and the transfer settings."""
-    keys = {"model": cfg.model, "variant": cfg.entry, "layers": cfg.layers, "data": cfg.data,
-            "transfer": asdict(cfg.transfer)}
+    transfer = asdict(cfg.transfer)
+    if transfer["loss"] == "output":  # the default: stage-1 folders from before transfer.loss existed read back
+        del transfer["loss"]
+    keys = {"model": cfg.model, "variant": cfg.entry, "layers": cfg.layers, "data": cfg.data, "transfer": transfer}
     if cfg.stage is not None:
         keys["stage"] = cfg.stage_entry
     return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:16]
