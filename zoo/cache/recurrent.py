@@ -41,14 +41,16 @@ class RecurrentLayer(BatchMapped, ZooCacheLayer, CacheLayerMixin):
         self.new_tokens = count
         return key_states, value_states
 
+    rollback_refusal = (
+        "attention-zoo RecurrentLayer cannot forget tokens: its state is a running sum over every token seen "
+        "(linear attention), which cannot be rolled back. Assisted decoding and other rollbacks need a variant "
+        "that keeps keys (e.g. longformer, xformers with a window, sdpa)."
+    )
+
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove == 0:
             return
-        raise CacheRollbackError(
-            "attention-zoo RecurrentLayer cannot forget tokens: its state is a running sum over every token seen "
-            "(linear attention), which cannot be rolled back. Assisted decoding and other rollbacks need a variant "
-            "that keeps keys (e.g. longformer, xformers with a window, sdpa)."
-        )
+        raise CacheRollbackError(self.rollback_refusal)
 
     def _map_state(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.state = {name: fn(tensor) for name, tensor in self.state.items()}

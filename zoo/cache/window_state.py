@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from zoo.cache.protocol import CacheRollbackError, tensor_bytes
+from zoo.cache.protocol import tensor_bytes
 from zoo.cache.recurrent import RecurrentLayer
 
 
@@ -51,14 +51,11 @@ class WindowStateLayer(RecurrentLayer):
     def keep_sinks(self, keys: torch.Tensor, values: torch.Tensor, found: torch.Tensor) -> None:
         self.sink_keys, self.sink_values, self.sink_found = keys.detach(), values.detach(), found
 
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove == 0:
-            return
-        raise CacheRollbackError(
-            "attention-zoo WindowStateLayer cannot forget tokens: the keys that left its window are summed into a "
-            "recurrent state, which cannot be rolled back. Assisted decoding needs a variant that keeps keys (e.g. "
-            "sdpa, longformer)."
-        )
+    rollback_refusal = (
+        "attention-zoo WindowStateLayer cannot forget tokens: the keys that left its window are summed into a "
+        "recurrent state, which cannot be rolled back. Assisted decoding needs a variant that keeps keys (e.g. sdpa, "
+        "longformer)."
+    )
 
     def _map_state(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super()._map_state(fn)
