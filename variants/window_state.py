@@ -31,6 +31,7 @@ enters the state. Bytes bounded by W and the state, whatever the context; no rol
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -57,6 +58,7 @@ from zoo.variant import AttentionCall, LayerWeights, Param, Variant, VariantPara
 SHARED_INIT = -2.1972245773362196  # LoLCATs: sigmoid = 0.1 of the window beside the linear part's 1
 MIX_INIT = 0.0  # Liger: equal halves
 STATES = "linear, based, gla, deltanet or gated_deltanet"
+HEDGEHOG = {"variant": "linear", "params": {"feature_map": "hedgehog"}}
 EXAMPLE = "state={'variant': 'linear', 'params': {'feature_map': 'hedgehog'}}"
 
 
@@ -170,8 +172,8 @@ class WindowStateAttention(Variant):
     params = {
         "window": Param(64, int, "keys each query reads by softmax, its own included (LoLCATs: 64)", min=1),
         "sinks": Param(0, int, "first real tokens of each row that every query also reads by softmax", min=0),
-        "state": Param("linear", (str, dict), f"the recurrent variant over the keys that left the window: {STATES}, "
-                       "as a name or {variant, params}"),
+        "state": Param(HEDGEHOG, (str, dict), f"the recurrent variant over the keys that left the window: {STATES}, "
+                       "as a name or {variant, params} (default: linear with Hedgehog feature maps, LoLCATs')"),
         "combine": Param("shared", str, "'shared': one normalizer (LoLCATs; linear or based states); 'mix': a "
                          "learned per-head mix of the two outputs (Liger)", choices=("shared", "mix")),
         "factor_init": Param(None, float, "initial logit of the window's weight per head (None: -2.1972 shared, "
@@ -180,7 +182,7 @@ class WindowStateAttention(Variant):
     test_params = {"window": 8, "sinks": 2, "state": {"variant": "linear", "params": {"chunk_size": 16}}}
 
     def check_config(self) -> None:
-        entry = {"variant": self.state} if isinstance(self.state, str) else dict(self.state)
+        entry = {"variant": self.state} if isinstance(self.state, str) else copy.deepcopy(self.state)
         if not isinstance(entry.get("variant"), str) or set(entry) - {"variant", "params"} or not isinstance(
                 entry.get("params") or {}, dict):
             raise VariantParameterError(f"attention-zoo variant 'window_state': parameter 'state' = {self.state!r} "
