@@ -111,6 +111,10 @@ class FeatureRule(StateRule):
         return out[..., :-1], out[..., -1:]
 
     def run(self, part, query, tokens, call, state):
+        if state is not None and query.shape[2] == 1 and "linear" in state:  # a decoding step: S += φ(k)ᵀ[v, 1]
+            query, keys, values, _ = self._args(query, tokens)
+            state["linear"] = state["linear"] + keys.transpose(-1, -2) @ values.to(state["linear"].dtype)
+            return self._split(query.to(state["linear"].dtype) @ state["linear"])
         return self._split(carried(gated_linear_attention, state, "linear", *self._args(query, tokens), 1.0))
 
     def recurrence(self, part, query, tokens, call):
