@@ -190,13 +190,25 @@ def indexer_losses(model: nn.Module) -> torch.Tensor | None:
 
 
 class DSALayer(KernelStateLayer):
-    """Every key and every token's indexer key (``index_keys`` (B, n, d_I)), appended by the kernel."""
+    """Every key and every token's indexer key (``index_keys`` (B, n, d_I)), appended by the kernel into a buffer
+    that grows like the keys' (:class:`zoo.cache.GrowingLayer`): a step copies its own indexer key, not all of them."""
 
     state_names = ("index_keys",)
+
+    def clear_state(self) -> None:
+        super().clear_state()
+        self._index_buffer: torch.Tensor | None = None
 
     def add_index_keys(self, new: torch.Tensor) -> torch.Tensor:
         """Append the indexer keys of this call's tokens (B, new, d_I); returns all (B, seen, d_I)."""
         kept = self.index_keys if self.index_keys is not None else new[:, :0]
-        kept = kept[:, : self.seen - new.shape[1]]  # after a crop
-        self.index_keys = torch.cat([kept, new.detach()], 1)
+        length = self.seen - new.shape[1]  # after a crop, fewer than were kept
+        buffer = self._index_buffer
+        held = buffer is not None and kept.shape[1] and kept.data_ptr() == buffer.data_ptr()
+        if not held or buffer.shape[1] < self.seen or buffer.shape[0] != new.shape[0]:
+            buffer = new.new_empty(new.shape[0], self.seen + max(self.MIN_GROWTH, self.seen // 8), new.shape[-1])
+            buffer[:, :length].copy_(kept[:, :length])
+            self._index_buffer = buffer
+        buffer[:, length : self.seen].copy_(new.detach())
+        self.index_keys = buffer[:, : self.seen]
         return self.index_keys

@@ -10,7 +10,7 @@ from zoo.call import AttentionCall
 from zoo.ops import limits
 from zoo.ops.blocked import rows_attention
 from zoo.ops.dense import pad_to_multiple
-from zoo.ops.gathered import gathered_attention
+from zoo.ops.gathered import gathered_attention, key_rows
 
 
 def gathered_block_attention(q, k, v, call: AttentionCall, block: int, blocks, chosen, positions) -> torch.Tensor:
@@ -78,14 +78,17 @@ def attention_at_positions(q, k, v, key_pos: torch.Tensor, ok: torch.Tensor, cal
     if call.padding_mask is not None:
         rows = torch.arange(batch, device=q.device)[:, None, None, None]
         ok = ok & call.padding_mask[rows, key_pos]
-    b = torch.arange(batch, device=q.device)[:, None, None]
-    h = torch.div(torch.arange(heads, device=q.device), heads // k.shape[1], rounding_mode="floor")[None, :, None]
-    outs = []
-    chunk = max(1, limits.GATHER_CHUNK_ELEMENTS // (batch * heads * key_pos.shape[-1] * dim))
+    kv_head = torch.div(torch.arange(heads, device=q.device), heads // k.shape[1], rounding_mode="floor")
+    (key_rows_, key_start), (value_rows, value_start) = key_rows(k), key_rows(v)
+    outs, width = [], key_pos.shape[-1]
+    chunk = max(1, limits.GATHER_CHUNK_ELEMENTS // (batch * heads * width * dim))
     for start in range(0, count, chunk):
         rows = slice(start, min(start + chunk, count))
         index = key_pos[:, :, rows].flatten(-2)  # (B, H, C·K)
-        keys, values = (x[b, h, index].unflatten(2, (-1, key_pos.shape[-1])) for x in (k, v))  # (B, H, C, K, D)
+        keys, values = (
+            x.index_select(0, (index + first[:, kv_head, None]).flatten()).view(batch, heads, -1, width, x.shape[-1])
+            for x, first in ((key_rows_, key_start), (value_rows, value_start))
+        )  # (B, H, C, K, D)
         out = rows_attention(q[:, :, rows, None, :].flatten(0, 1), keys.flatten(0, 1), values.flatten(0, 1),
                              ok[:, :, rows, None, :].flatten(0, 1), call)
         outs.append(out.view(batch, heads, -1, v.shape[-1]))

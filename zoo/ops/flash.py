@@ -32,7 +32,33 @@ def flash_forward(q, k, v, mask: torch.Tensor | None, scale: float) -> tuple[tor
 
 
 def flash_backward(grad, q, k, v, out, lse, mask: torch.Tensor | None, scale: float):
-    """Gradients (q, k, v) of :func:`flash_forward` given its ``out`` and ``lse`` (which may be merged ones)."""
+    """Gradients (q, k, v) of :func:`flash_forward` given its ``out`` and ``lse`` (which may be merged ones).
+
+    torch's CPU backward runs one thread per (batch, head) pair, so a single pair (the by-key-block kernels' calls,
+    :mod:`zoo.ops.block_grouped`) would use one core: its queries are cut into one piece per thread on the batch
+    dimension instead (the keys shared, their gradients summed; zero rows pad the last piece and add nothing)."""
+    pieces = min(torch.get_num_threads(), q.shape[-2] // SPLIT_MIN_QUERIES)
+    if q.shape[0] * q.shape[1] > 1 or pieces < 2 or (mask is not None and mask.shape[0] * mask.shape[1] > 1):
+        return _flash_backward(grad, q, k, v, out, lse, mask, scale)
+    count = q.shape[-2]
+    size = -(-count // pieces)
+
+    def split(x: torch.Tensor) -> torch.Tensor:  # (1, 1, count, ...) -> (pieces, 1, size, ...)
+        x = x.flatten(0, 2)
+        x = torch.cat([x, x.new_zeros(size * pieces - count, *x.shape[1:])]) if size * pieces > count else x
+        return x.view(pieces, 1, size, *x.shape[1:])
+
+    if mask is not None:
+        mask = split(mask.expand(1, 1, count, k.shape[-2])) if mask.shape[-2] == count else mask
+    gq, gk, gv = _flash_backward(split(grad), split(q), k.expand(pieces, -1, -1, -1), v.expand(pieces, -1, -1, -1),
+                                 split(out), split(lse), mask, scale)
+    return gq.view(1, 1, -1, gq.shape[-1])[:, :, :count], gk.sum(0, keepdim=True), gv.sum(0, keepdim=True)
+
+
+SPLIT_MIN_QUERIES = 64  # a piece of fewer queries is not worth a thread
+
+
+def _flash_backward(grad, q, k, v, out, lse, mask: torch.Tensor | None, scale: float):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale
     )

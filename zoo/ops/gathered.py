@@ -32,6 +32,21 @@ from zoo.ops.flash import additive_mask, flash_available
 Allowed = torch.Tensor | Callable[[int, int], torch.Tensor] | None
 
 
+def key_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (B, H, n, D) as rows: (a (R, D) view, (B, H) long: the row of each (b, h)'s position 0), so that
+    ``rows.index_select(0, start[b, h] + s)`` reads x[b, h, s] in place. A cache's keys are a view of a larger
+    buffer (:class:`zoo.cache.GrowingLayer`): indexing rows of it costs O(rows read) where ``x.reshape(-1, D)`` or
+    ``x.contiguous()`` would copy every key. Copies only when x's rows are not evenly strided."""
+    dim = x.shape[-1]
+    if x.stride(-1) != 1 or x.stride(-2) != dim or x.stride(0) % dim or x.stride(1) % dim:
+        x = x.contiguous()
+    rows = x.as_strided((x.stride(0) // dim * (x.shape[0] - 1) + x.stride(1) // dim * (x.shape[1] - 1)
+                         + x.shape[2], dim), (dim, 1))
+    start = (torch.arange(x.shape[0], device=x.device)[:, None] * (x.stride(0) // dim)
+             + torch.arange(x.shape[1], device=x.device) * (x.stride(1) // dim))
+    return rows, start
+
+
 def device_chunks(items: int, elements_per_item: int, entries_per_item: int = 1) -> list[slice]:
     """Ranges of items (each ``entries_per_item`` SDPA entries) of at most ``limits.DEVICE_CHUNK_ENTRIES`` entries and
     about ``limits.DEVICE_CHUNK_ELEMENTS`` gathered elements."""

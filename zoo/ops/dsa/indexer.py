@@ -20,7 +20,6 @@ def indexer_kl(q: torch.Tensor, k: torch.Tensor, index_q: torch.Tensor, index_w:
     ``index_q``, ``index_w`` and ``index_k`` only. q (B, H, Q, D); k (B, H, n, D); selection (B, Q, k'); ``target``
     (B, Q, k') those probabilities if already known (:func:`token_attention`'s ``with_target``)."""
     total = q.new_zeros((), dtype=torch.float32)
-    k = k.contiguous() if target is None else k
     for rows in query_chunks(q, index.shape[-1]):
         picked, ok = index[:, rows], chosen[:, rows]
         if target is not None:

@@ -32,50 +32,65 @@ from zoo.ops.backends.triton_dsa import triton_kernel
 from zoo.ops.choose import select_by_query_chunks
 from zoo.ops.dropout import Dropout, attention_backward, attention_forward
 from zoo.ops.flash import additive_mask, flash_available
-from zoo.ops.gathered import device_chunks, recomputed
+from zoo.ops.gathered import device_chunks, key_rows, recomputed
 
 
 def indexer_scores(index_q: torch.Tensor, index_w: torch.Tensor, index_k: torch.Tensor) -> torch.Tensor:
     """(B, Q, n) fp32: Σ_j w_tj · ReLU(q^I_tj · k^I_s); queries (B, Q, h, d_I), weights (B, Q, h), keys (B, n, d_I)."""
-    logits = torch.einsum("bqhd,bnd->bqhn", index_q.float(), index_k.float()).relu_()
-    return torch.einsum("bqhn,bqh->bqn", logits, index_w.float())
+    batch, count, heads, _ = index_q.shape
+    logits = torch.matmul(index_q.float().flatten(1, 2), index_k.float().transpose(-1, -2)).relu_()  # (B, Q·h, n)
+    return torch.matmul(index_w.float().unsqueeze(-2), logits.view(batch, count, heads, -1)).squeeze(-2)
 
 
 def top_tokens(scores: torch.Tensor, eligible: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``top_k`` eligible keys of the highest score, ties to the later key.
 
     scores (..., n) fp32, eligible (..., n) bool. Returns (index (..., k') long ascending, chosen (..., k') bool),
-    k' = min(top_k, n); unchosen slots (fewer eligible keys) hold index n - 1."""
-    n = scores.shape[-1]
-    count = min(top_k, n)
+    k' = min(top_k, n); unchosen slots (fewer eligible keys) hold index n - 1. One ``topk`` of the scores; only
+    where a row holds more keys at its k'-th score than it takes (a tie to break, or fewer eligible keys than k')
+    does :func:`_top_tokens_ranked` decide instead, over 64-bit keys that rank equal scores by position."""
+    count = min(top_k, scores.shape[-1])
     scores = scores.masked_fill(~eligible, float("-inf"))
-    threshold = scores.topk(count, dim=-1).values[..., -1:]
-    above = scores > threshold
-    tied = (scores == threshold) & eligible
-    wanted = count - above.sum(-1, keepdim=True)
-    tied_from_the_end = tied.flip(-1).cumsum(-1).flip(-1)  # tied keys at or after each position
-    picked = above | (tied & (tied_from_the_end <= wanted))
-    positions = torch.arange(n, device=scores.device)
-    index = torch.where(picked, positions, n).topk(count, dim=-1, largest=False).values
+    values, index = scores.topk(count, dim=-1)
+    if bool(((scores >= values[..., -1:]).sum(-1) == count).all()) and bool((values[..., -1] > float("-inf")).all()):
+        return index.sort(dim=-1).values, torch.ones_like(index, dtype=torch.bool)
+    return _top_tokens_ranked(scores, eligible, count)
+
+
+def _top_tokens_ranked(scores: torch.Tensor, eligible: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`top_tokens` through one ``topk`` of 64-bit keys: the score's bits in an order-preserving integer above
+    the position."""
+    n = scores.shape[-1]
+    bits = (scores + 0.0).view(torch.int32).long()  # + 0.0: -0.0 becomes 0.0, the same score
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # integers in the floats' order
+    keys = (ordered << 32) | torch.arange(n, device=scores.device)
+    keys = keys.masked_fill_(~eligible, NOT_ELIGIBLE).topk(count, dim=-1, sorted=False).values
+    index = torch.where(keys != NOT_ELIGIBLE, keys & 0xFFFFFFFF, n).sort(dim=-1).values
     return index.clamp(max=n - 1), index < n
+
+
+NOT_ELIGIBLE = torch.iinfo(torch.int64).min
 
 
 def select_tokens(index_q: torch.Tensor, index_w: torch.Tensor, index_k: torch.Tensor, query_positions: torch.Tensor,
                   key_real: torch.Tensor | None, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query's ``top_k`` keys, chunk by chunk of queries, without gradient: (index, chosen), each (B, Q, k').
 
-    ``query_positions`` (Q,): positions of the queries among the n keys (keys after a query are not eligible);
-    ``key_real`` (B|1, n) bool or None."""
+    ``query_positions`` (Q,) ascending: positions of the queries among the n keys (keys after a query are not
+    eligible, so a chunk scores only the keys up to its last query); ``key_real`` (B|1, n) bool or None."""
     batch, count, heads, _ = index_q.shape
     n = index_k.shape[-2]
     key_positions = torch.arange(n, device=index_q.device)
+    width = min(top_k, n)
 
     def select(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = indexer_scores(index_q[:, rows], index_w[:, rows], index_k)
-        eligible = (key_positions <= query_positions[rows, None])[None]
+        seen = max(int(query_positions[rows.stop - 1]) + 1, width)  # keys any query of the chunk may read
+        scores = indexer_scores(index_q[:, rows], index_w[:, rows], index_k[:, :seen])
+        eligible = (key_positions[:seen] <= query_positions[rows, None])[None]
         if key_real is not None:
-            eligible = eligible & key_real[:, None, :]
-        return top_tokens(scores, eligible.expand_as(scores), top_k)
+            eligible = eligible & key_real[:, None, :seen]
+        index, chosen = top_tokens(scores, eligible.expand_as(scores), top_k)
+        return index.masked_fill_(~chosen, n - 1), chosen
 
     return select_by_query_chunks(select, count, batch * heads * n, 1)
 
@@ -110,10 +125,11 @@ def _token_sdpa(q, k, v, index, chosen, call: AttentionCall) -> torch.Tensor:
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x (B, H, n, D) at index (B, C, k') for every head: (B, H, C, k', D)."""
-    batch, heads, n, dim = x.shape
-    rows = x.reshape(-1, dim).index_select(0, _flat(index, heads, n).flatten())
-    return rows.view(batch, heads, *index.shape[1:], dim)
+    """x (B, H, n, D) at index (B, C, k') for every head: (B, H, C, k', D), read in place (a cache's view too)."""
+    batch, heads, _, dim = x.shape
+    rows, start = key_rows(x)
+    picked = rows.index_select(0, (index[:, None] + start[:, :, None, None]).flatten())
+    return picked.view(batch, heads, *index.shape[1:], dim)
 
 
 def _flat(index: torch.Tensor, heads: int, n: int) -> torch.Tensor:
@@ -137,7 +153,6 @@ class _TokenGathered(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, index, chosen, scale, dropout: Dropout, with_target: bool):
         batch, heads, length, dim = q.shape
-        k, v = k.contiguous(), v.contiguous()
         outs, lses, targets = [], [], []
         for number, rows in enumerate(query_chunks(q, index.shape[-1])):
             keys, values, mask, queries = _chunk_inputs(q, k, v, index, chosen, rows)
@@ -159,7 +174,8 @@ class _TokenGathered(torch.autograd.Function):
         q, k, v, index, chosen, out, lse = ctx.saved_tensors
         batch, heads, n, _ = k.shape
         grad = grad.contiguous()
-        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        grad_q = torch.empty_like(q)
+        grad_k, grad_v = (x.new_zeros(x.shape) for x in (k, v))  # contiguous: rows for index_add_
         flat_k, flat_v = grad_k.view(-1, k.shape[-1]), grad_v.view(-1, v.shape[-1])
         for number, rows in enumerate(query_chunks(q, index.shape[-1])):
             keys, values, mask, queries = _chunk_inputs(q, k, v, index, chosen, rows)
