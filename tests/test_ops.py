@@ -61,3 +61,47 @@ def test_the_memory_check_names_the_op_and_shape_that_allocated_the_tensor():
 
     with pytest.raises(AssertionError, match=r"aten\.bmm\S* -> \(1, 1024, 1024\) torch.float32"):
         assert_memory_below_quadratic(MaskedDense(), 1024)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "heads_transposed", "cache_buffer_view", "expanded_heads", "odd"])
+def test_key_rows_read_every_position_in_place(layout):
+    from zoo.ops.gathered import key_rows
+
+    gen = torch.Generator().manual_seed(0)
+    x = {
+        "contiguous": lambda: torch.randn(2, 3, 7, 4, generator=gen),
+        "heads_transposed": lambda: torch.randn(2, 7, 3, 4, generator=gen).transpose(1, 2),
+        "cache_buffer_view": lambda: torch.randn(2, 3, 11, 4, generator=gen)[:, :, :7],
+        "expanded_heads": lambda: torch.randn(2, 1, 7, 4, generator=gen).expand(2, 3, 7, 4),
+        "odd": lambda: torch.randn(2, 3, 7, 8, generator=gen)[..., ::2],  # rows not D-aligned: copied
+    }[layout]()
+    rows, start, step = key_rows(x)
+    positions = torch.arange(7)
+    read = rows.index_select(0, (start[:, :, None] + positions * step).flatten()).view(x.shape)
+    assert torch.equal(read, x)
+    assert (rows.data_ptr() == x.data_ptr()) == (layout != "odd")
+
+
+@pytest.mark.parametrize("masked", [None, "row", "full"])
+def test_flash_backward_of_one_head_split_over_threads_equals_the_kernel_in_one_piece(masked):
+    from zoo.ops import flash
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        count = 2 * flash.SPLIT_MIN_QUERIES + 3  # pieces of unequal length: the last one padded
+        q, k, v = torch.randn(1, 1, count, 8, generator=gen), *torch.randn(2, 1, 1, 40, 8, generator=gen)
+        mask = None
+        if masked:
+            allowed = torch.rand(1, 1, count if masked == "full" else 1, 40, generator=gen) > 0.3
+            mask = flash.additive_mask(allowed | (torch.arange(40) == 0), torch.float32)
+        out, lse = flash.flash_forward(q, k, v, mask, 0.3)
+        grad = torch.randn(out.shape, generator=gen)
+        split = flash.flash_backward(grad, q, k, v, out, lse, mask, 0.3)
+        whole = flash._flash_backward(grad, q, k, v, out, lse, mask, 0.3)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(split, whole, strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -19,7 +19,7 @@ from zoo.call import AttentionCall
 from zoo.ops import limits
 from zoo.ops.dense import pad_to_multiple
 from zoo.ops.dropout import Dropout, attention_backward, attention_forward
-from zoo.ops.flash import additive_mask, flash_available
+from zoo.ops.flash import additive_mask, flash_available, flash_backward, flash_forward
 
 
 class KeyBlockGroups:
@@ -102,6 +102,20 @@ def _causal(q: torch.Tensor, block: int) -> torch.Tensor:
     return additive_mask(torch.ones(block, block, dtype=torch.bool, device=q.device).tril().repeat(heads, 1), q.dtype)
 
 
+def _own_blocks_forward(q, k, v, scale: float, dropout: Dropout):
+    """Each query block over its own key block, causal: the kernel's own causal tiles where one head fills the block
+    (no mask, the tiles above the diagonal skipped), else :func:`_causal`'s mask for the G heads side by side."""
+    if dropout.p == 0.0 and q.shape[2] == k.shape[2]:
+        return flash_forward(q, k, v, None, scale, causal=True)
+    return attention_forward(q, k, v, _causal(q, k.shape[2]), scale, dropout.child(0))
+
+
+def _own_blocks_backward(grad, q, k, v, out, lse, scale: float, dropout: Dropout):
+    if dropout.p == 0.0 and q.shape[2] == k.shape[2]:
+        return flash_backward(grad, q, k, v, out, lse, None, scale, causal=True)
+    return attention_backward(grad, q, k, v, out, lse, _causal(q, k.shape[2]), scale, dropout.child(0))
+
+
 class _BlockGrouped(torch.autograd.Function):
     """q (P, nb, G·block, D) in :func:`to_layout`'s layout, k/v (P, nb, block, D): own blocks causal in one call,
     each chosen key block with its queries in one call each, merged by log-sum-exp; the backward recomputes."""
@@ -109,7 +123,7 @@ class _BlockGrouped(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scale, picked: KeyBlockGroups, dropout: Dropout, q, k, v):
         parts, nb, rows, dim = q.shape
-        own_out, own_lse = attention_forward(q, k, v, _causal(q, k.shape[2]), scale, dropout.child(0))
+        own_out, own_lse = _own_blocks_forward(q, k, v, scale, dropout)
         merge = _Merge(own_out.reshape(parts, nb * rows, -1), own_lse.reshape(parts, nb * rows))
         flat_q = q.view(parts, nb * rows, dim)
         for number, part, key, index in picked.groups():
@@ -134,9 +148,7 @@ class _BlockGrouped(torch.autograd.Function):
         picked, scale = ctx.picked, ctx.scale
         parts, nb, rows, dim = q.shape
         grad = grad.contiguous()
-        grad_q, grad_k, grad_v = attention_backward(
-            grad, q, k, v, merged, total, _causal(q, k.shape[2]), scale, ctx.dropout.child(0)
-        )
+        grad_q, grad_k, grad_v = _own_blocks_backward(grad, q, k, v, merged, total, scale, ctx.dropout)
         grad_q, grad_k, grad_v = (x.contiguous() for x in (grad_q, grad_k, grad_v))
         packed = torch.cat([q, grad, merged], -1).view(parts, nb * rows, -1)  # one gather per group for all three
         flat_grad_q, flat_total, dv = grad_q.view(parts, nb * rows, dim), total.view(parts, nb * rows), v.shape[-1]

@@ -79,17 +79,22 @@ def attention_at_positions(q, k, v, key_pos: torch.Tensor, ok: torch.Tensor, cal
         rows = torch.arange(batch, device=q.device)[:, None, None, None]
         ok = ok & call.padding_mask[rows, key_pos]
     kv_head = torch.div(torch.arange(heads, device=q.device), heads // k.shape[1], rounding_mode="floor")
-    (key_rows_, key_start), (value_rows, value_start) = key_rows(k), key_rows(v)
+    keys_at, values_at = key_rows(k), key_rows(v)
     outs, width = [], key_pos.shape[-1]
     chunk = max(1, limits.GATHER_CHUNK_ELEMENTS // (batch * heads * width * dim))
     for start in range(0, count, chunk):
         rows = slice(start, min(start + chunk, count))
         index = key_pos[:, :, rows].flatten(-2)  # (B, H, C·K)
-        keys, values = (
-            x.index_select(0, (index + first[:, kv_head, None]).flatten()).view(batch, heads, -1, width, x.shape[-1])
-            for x, first in ((key_rows_, key_start), (value_rows, value_start))
-        )  # (B, H, C, K, D)
+        keys, values = (_rows_at(at, index, kv_head).view(batch, heads, -1, width, at[0].shape[-1])
+                        for at in (keys_at, values_at))  # (B, H, C, K, D)
         out = rows_attention(q[:, :, rows, None, :].flatten(0, 1), keys.flatten(0, 1), values.flatten(0, 1),
                              ok[:, :, rows, None, :].flatten(0, 1), call)
         outs.append(out.view(batch, heads, -1, v.shape[-1]))
     return torch.cat(outs, 2)
+
+
+def _rows_at(at: tuple[torch.Tensor, torch.Tensor, int], index: torch.Tensor, kv_head: torch.Tensor) -> torch.Tensor:
+    """Rows of :func:`zoo.ops.gathered.key_rows` ``at`` for positions ``index`` (B, H, K) of query heads reading
+    KV heads ``kv_head`` (H,): (B·H·K, D)."""
+    rows, first, step = at
+    return rows.index_select(0, (index * step + first[:, kv_head, None]).flatten())

@@ -23,23 +23,25 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
-def flash_forward(q, k, v, mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, H, Q, D) queries over (B, H, K, D) keys -> (output (B, H, Q, D), log-sum-exp (B, H, Q))."""
+def flash_forward(q, k, v, mask: torch.Tensor | None, scale: float,
+                  causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, H, Q, D) queries over (B, H, K, D) keys -> (output (B, H, Q, D), log-sum-exp (B, H, Q)); ``causal``:
+    query i reads keys 0 .. i (the kernel skips the tiles above the diagonal)."""
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, False, attn_mask=mask, scale=scale
+        q, k, v, 0.0, causal, attn_mask=mask, scale=scale
     )
     return out, lse
 
 
-def flash_backward(grad, q, k, v, out, lse, mask: torch.Tensor | None, scale: float):
+def flash_backward(grad, q, k, v, out, lse, mask: torch.Tensor | None, scale: float, causal: bool = False):
     """Gradients (q, k, v) of :func:`flash_forward` given its ``out`` and ``lse`` (which may be merged ones).
 
     torch's CPU backward runs one thread per (batch, head) pair, so a single pair (the by-key-block kernels' calls,
     :mod:`zoo.ops.block_grouped`) would use one core: its queries are cut into one piece per thread on the batch
     dimension instead (the keys shared, their gradients summed; zero rows pad the last piece and add nothing)."""
     pieces = min(torch.get_num_threads(), q.shape[-2] // SPLIT_MIN_QUERIES)
-    if q.shape[0] * q.shape[1] > 1 or pieces < 2 or (mask is not None and mask.shape[0] * mask.shape[1] > 1):
-        return _flash_backward(grad, q, k, v, out, lse, mask, scale)
+    if causal or q.shape[0] * q.shape[1] > 1 or pieces < 2 or (mask is not None and mask.shape[0] * mask.shape[1] > 1):
+        return _flash_backward(grad, q, k, v, out, lse, mask, scale, causal)
     count = q.shape[-2]
     size = -(-count // pieces)
 
@@ -58,7 +60,7 @@ def flash_backward(grad, q, k, v, out, lse, mask: torch.Tensor | None, scale: fl
 SPLIT_MIN_QUERIES = 64  # a piece of fewer queries is not worth a thread
 
 
-def _flash_backward(grad, q, k, v, out, lse, mask: torch.Tensor | None, scale: float):
+def _flash_backward(grad, q, k, v, out, lse, mask: torch.Tensor | None, scale: float, causal: bool = False):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale
+        grad, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
     )

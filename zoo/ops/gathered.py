@@ -32,19 +32,19 @@ from zoo.ops.flash import additive_mask, flash_available
 Allowed = torch.Tensor | Callable[[int, int], torch.Tensor] | None
 
 
-def key_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (B, H, n, D) as rows: (a (R, D) view, (B, H) long: the row of each (b, h)'s position 0), so that
-    ``rows.index_select(0, start[b, h] + s)`` reads x[b, h, s] in place. A cache's keys are a view of a larger
-    buffer (:class:`zoo.cache.GrowingLayer`): indexing rows of it costs O(rows read) where ``x.reshape(-1, D)`` or
-    ``x.contiguous()`` would copy every key. Copies only when x's rows are not evenly strided."""
+def key_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """x (B, H, n, D) as rows: (a (R, D) view, (B, H) long: the row of x[b, h, 0], the rows between positions), so
+    that ``rows.index_select(0, start[b, h] + s * step)`` reads x[b, h, s] in place, whether x is a cache's view of a
+    larger buffer (:class:`zoo.cache.GrowingLayer`) or heads transposed from (B, n, H, D): indexing costs O(rows
+    read) where ``x.reshape(-1, D)`` would copy every key. Copies only when x's rows are not D-aligned."""
     dim = x.shape[-1]
-    if x.stride(-1) != 1 or x.stride(-2) != dim or x.stride(0) % dim or x.stride(1) % dim:
+    if x.stride(-1) != 1 or any(stride % dim for stride in x.stride()[:3]):
         x = x.contiguous()
-    rows = x.as_strided((x.stride(0) // dim * (x.shape[0] - 1) + x.stride(1) // dim * (x.shape[1] - 1)
-                         + x.shape[2], dim), (dim, 1))
-    start = (torch.arange(x.shape[0], device=x.device)[:, None] * (x.stride(0) // dim)
-             + torch.arange(x.shape[1], device=x.device) * (x.stride(1) // dim))
-    return rows, start
+    strides = [stride // dim for stride in x.stride()[:3]]
+    count = sum(stride * (size - 1) for stride, size in zip(strides, x.shape[:3], strict=True)) + 1
+    start = (torch.arange(x.shape[0], device=x.device)[:, None] * strides[0]
+             + torch.arange(x.shape[1], device=x.device) * strides[1])
+    return x.as_strided((count, dim), (dim, 1)), start, strides[2]
 
 
 def device_chunks(items: int, elements_per_item: int, entries_per_item: int = 1) -> list[slice]:

@@ -127,8 +127,8 @@ def _token_sdpa(q, k, v, index, chosen, call: AttentionCall) -> torch.Tensor:
 def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x (B, H, n, D) at index (B, C, k') for every head: (B, H, C, k', D), read in place (a cache's view too)."""
     batch, heads, _, dim = x.shape
-    rows, start = key_rows(x)
-    picked = rows.index_select(0, (index[:, None] + start[:, :, None, None]).flatten())
+    rows, start, step = key_rows(x)
+    picked = rows.index_select(0, (index[:, None] * step + start[:, :, None, None]).flatten())
     return picked.view(batch, heads, *index.shape[1:], dim)
 
 
