@@ -177,17 +177,40 @@ class _TokenGathered(torch.autograd.Function):
         grad_q = torch.empty_like(q)
         grad_k, grad_v = (x.new_zeros(x.shape) for x in (k, v))  # contiguous: rows for index_add_
         flat_k, flat_v = grad_k.view(-1, k.shape[-1]), grad_v.view(-1, v.shape[-1])
+        buffers: dict[str, torch.Tensor] = {}
         for number, rows in enumerate(query_chunks(q, index.shape[-1])):
             keys, values, mask, queries = _chunk_inputs(q, k, v, index, chosen, rows)
             flat = (x[:, :, rows].reshape(-1, 1, 1, x.shape[-1]) for x in (grad, out))
-            gq, gk, gv = attention_backward(next(flat), queries, keys, values, next(flat),
-                                            lse[:, :, rows].reshape(-1, 1, 1), mask, ctx.scale,
-                                            ctx.dropout.child(number))
+            args = (next(flat), queries, keys, values, next(flat), lse[:, :, rows].reshape(-1, 1, 1), mask, ctx.scale)
+            if ctx.dropout.p == 0.0 and q.dtype == torch.float32:
+                gq, gk, gv = _one_query_backward(*args, buffers)
+            else:
+                gq, gk, gv = attention_backward(*args, ctx.dropout.child(number))
             grad_q[:, :, rows] = gq.view(batch, heads, -1, q.shape[-1])
             where = _flat(index[:, rows], heads, n).flatten()
             flat_k.index_add_(0, where, gk.view(where.shape[0], -1))
             flat_v.index_add_(0, where, gv.view(where.shape[0], -1))
         return grad_q, grad_k, grad_v, None, None, None, None, None
+
+
+def _one_query_backward(grad, q, k, v, out, lse, mask, scale: float, buffers: dict[str, torch.Tensor]):
+    """The flash backward of one query per entry (E, 1, 1, D) over its keys (E, 1, k', D), fp32, no dropout, in
+    batched matrix-vector products: torch's CPU kernel spends most of such a call zero-filling fresh (E, k', D)
+    gradients; here the key and value gradients are written into ``buffers`` reused by every chunk."""
+    keys, values, query, grad, out = k[:, 0], v[:, 0], q[:, 0, 0], grad[:, 0, 0], out[:, 0, 0]
+    scores = torch.bmm(keys, query[:, :, None]).squeeze(-1).mul_(scale)
+    if mask is not None:
+        scores += mask.view(scores.shape)
+    probs = scores.sub_(lse.view(-1, 1)).exp_()  # rows without keys: exp(-inf) = 0, no gradient
+    grad_probs = torch.bmm(values, grad[:, :, None]).squeeze(-1)
+    grad_scores = grad_probs.sub_((grad * out).sum(-1, keepdim=True)).mul_(probs).mul_(scale)
+    grad_q = torch.bmm(grad_scores[:, None, :], keys)
+    shape = keys.shape
+    if buffers.get("k") is None or buffers["k"].shape != shape:
+        buffers["k"], buffers["v"] = keys.new_empty(shape), values.new_empty(values.shape)
+    grad_k = torch.mul(grad_scores[:, :, None], query[:, None, :], out=buffers["k"])
+    grad_v = torch.mul(probs[:, :, None], grad[:, None, :], out=buffers["v"])
+    return grad_q.view(q.shape), grad_k, grad_v
 
 
 def _chunk_inputs(q, k, v, index, chosen, rows: slice):
