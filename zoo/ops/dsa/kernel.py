@@ -153,6 +153,8 @@ class _TokenGathered(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, index, chosen, scale, dropout: Dropout, with_target: bool):
         batch, heads, length, dim = q.shape
+        if k.shape[-2] <= length * index.shape[-1]:  # more rows read than held: each head's keys contiguous (locality)
+            k, v = k.contiguous(), v.contiguous()
         outs, lses, targets = [], [], []
         for number, rows in enumerate(query_chunks(q, index.shape[-1])):
             keys, values, mask, queries = _chunk_inputs(q, k, v, index, chosen, rows)
