@@ -39,8 +39,11 @@ def flash_backward(grad, q, k, v, out, lse, mask: torch.Tensor | None, scale: fl
     torch's CPU backward runs one thread per (batch, head) pair, so a single pair (the by-key-block kernels' calls,
     :mod:`zoo.ops.block_grouped`) would use one core: its queries are cut into one piece per thread on the batch
     dimension instead (the keys shared, their gradients summed; zero rows pad the last piece and add nothing)."""
+    one_pair = q.shape[0] * q.shape[1] == 1 and (mask is None or mask.shape[0] * mask.shape[1] == 1)
+    if causal or not one_pair or torch.compiler.is_compiling():  # compiled graphs: no thread count to read
+        return _flash_backward(grad, q, k, v, out, lse, mask, scale, causal)
     pieces = min(torch.get_num_threads(), q.shape[-2] // SPLIT_MIN_QUERIES)
-    if causal or q.shape[0] * q.shape[1] > 1 or pieces < 2 or (mask is not None and mask.shape[0] * mask.shape[1] > 1):
+    if pieces < 2:
         return _flash_backward(grad, q, k, v, out, lse, mask, scale, causal)
     count = q.shape[-2]
     size = -(-count // pieces)
