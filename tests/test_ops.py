@@ -105,3 +105,79 @@ def test_flash_backward_of_one_head_split_over_threads_equals_the_kernel_in_one_
     for a, b in zip(split, whole, strict=True):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("ties_to_later", [True, False])
+@pytest.mark.parametrize("scores", ["distinct", "integers", "signed_zeros", "few_eligible", "forced", "mixed"])
+def test_top_positions_one_topk_equals_the_rule_of_ranked_keys(scores, ties_to_later):
+    """The fast path (one topk, no tie at the k-th score), the 64-bit ranked keys and the two mixed row by row agree
+    with the rule written out: the top_k eligible positions, ties to the later (DSA) or the earlier (MoBA, NSA)
+    position, -0.0 and 0.0 one score, +inf above every finite score (NSA's forced blocks)."""
+    from zoo.ops.choose import _ranked_positions, top_positions
+
+    gen = torch.Generator().manual_seed(0)
+    rows, n, top_k = 6, 40, 9
+    values = {
+        "distinct": lambda: torch.randn(rows, n, generator=gen),
+        "integers": lambda: torch.randint(-2, 3, (rows, n), generator=gen).float(),
+        "signed_zeros": lambda: torch.where(torch.rand(rows, n, generator=gen) > 0.5, 0.0, -0.0),
+        "few_eligible": lambda: torch.randn(rows, n, generator=gen),
+        "forced": lambda: torch.randn(rows, n, generator=gen).index_fill_(1, torch.tensor([0, 38, 39]), float("inf")),
+        "mixed": lambda: torch.cat([torch.randn(3, n, generator=gen), torch.randint(-1, 2, (3, n), generator=gen)]),
+    }[scores]().float()
+    eligible = torch.rand(rows, n, generator=gen) > (0.9 if scores == "few_eligible" else 0.2)
+    want = torch.zeros(rows, n, dtype=torch.bool)
+    for row in range(rows):
+        ranked = sorted((-float(values[row, s]), -s if ties_to_later else s) for s in range(n) if eligible[row, s])
+        for _, position in ranked[:top_k]:
+            want[row, abs(position)] = True
+    masked = values.masked_fill(~eligible, float("-inf"))
+    for index, chosen in (top_positions(values, eligible, top_k, ties_to_later),
+                          _ranked_positions(masked, top_k, ties_to_later)):
+        got = torch.zeros(rows, n, dtype=torch.long).scatter_add_(-1, index, chosen.long()) > 0
+        assert torch.equal(got, want)
+        assert torch.equal(index, index.sort(-1).values)  # ascending, the chosen slots first
+        assert torch.equal(chosen, chosen.sort(-1, descending=True).values)
+        assert torch.equal(index[~chosen], torch.full_like(index[~chosen], n - 1))
+
+
+@pytest.mark.parametrize("batch_elements", [None, 64 * 8])
+@pytest.mark.parametrize("sharpness", [1.0, 60.0])
+def test_chosen_key_blocks_in_padded_batches_equal_dense_softmax(batch_elements, sharpness, monkeypatch):
+    """MoBA's and NSA's by-key-block kernel runs the groups of queries that chose a key block in padded batches of
+    similar size: outputs and q/k/v gradients equal dense softmax over the own block (causal) and the chosen ones,
+    with the default batches and with batches cut small, with plain logits and sharp ones (log-sum-exps of one query
+    apart by far more than the merge's headroom, several parts of a query in one batch)."""
+    from zoo.ops import limits
+    from zoo.ops.block_grouped import block_grouped_attention, by_key_block
+    from zoo.ops.choose import top_blocks
+    from zoo.ops.chosen_blocks import selected_blocks_mask
+    from zoo.ops.dropout import NO_DROPOUT
+
+    if batch_elements is not None:
+        monkeypatch.setattr(limits, "KEY_BLOCK_BATCH_ELEMENTS", batch_elements)
+    gen = torch.Generator().manual_seed(3)
+    n, block, heads, kv_heads, dim = 150, 8, 4, 2, 8
+    q = torch.randn(2, heads, n, dim, generator=gen) * sharpness
+    k, v = (torch.randn(2, kv_heads, n, dim, generator=gen) for _ in range(2))
+    nb = -(-n // block)
+    own = torch.arange(n) // block
+    eligible = (torch.arange(nb) < own[:, None]) & (torch.rand(2, kv_heads, n, nb, generator=gen) < 0.7)
+    blocks, chosen = top_blocks(torch.rand(2, kv_heads, n, nb, generator=gen), eligible, 4)
+    batches = list(by_key_block(blocks, chosen, block, heads // kv_heads).batches(dim, one_each=False))
+    assert any(not bool(valid.all()) for *_, valid in batches)  # some batch pads its groups
+    assert any(len(set(rows[valid].tolist())) < int(valid.sum()) for _, _, rows, valid in batches)  # a query twice
+    distance = torch.arange(n)[:, None] - torch.arange(n)
+    allowed = selected_blocks_mask(blocks, chosen, block, n, torch.arange(n), None)
+    allowed = (allowed | ((distance >= 0) & (own[:, None] == own[None, :]))).repeat_interleave(2, 1)
+    grad = torch.randn(q.shape, generator=gen)
+    results = []
+    for attention in (
+        lambda q, k, v: block_grouped_attention(q, k, v, blocks, chosen, block, dim**-0.5, NO_DROPOUT),
+        lambda q, k, v: softmax_attention(q, *(x.repeat_interleave(2, 1) for x in (k, v)), allowed, dim**-0.5),
+    ):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = attention(*leaves)
+        results.append([out, *torch.autograd.grad(out, leaves, grad)])
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4 * sharpness, rtol=1e-4)

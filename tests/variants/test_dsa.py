@@ -95,33 +95,6 @@ def test_ties_go_to_the_later_keys():
     assert index.tolist() == [[0, 3, 4]] and chosen.all()
 
 
-@pytest.mark.parametrize("scores", ["distinct", "integers", "signed_zeros", "few_eligible"])
-def test_top_tokens_one_topk_equals_the_rule_of_ranked_keys(scores):
-    """The fast path (one topk, no tie at the k-th score) and the 64-bit ranked keys agree with the rule written
-    out: the top_k eligible keys, ties to the later key (-0.0 and 0.0 are one score)."""
-    from zoo.ops.dsa.kernel import _top_tokens_ranked
-
-    gen = torch.Generator().manual_seed(0)
-    rows, n, top_k = 6, 40, 9
-    values = {
-        "distinct": lambda: torch.randn(rows, n, generator=gen),
-        "integers": lambda: torch.randint(-2, 3, (rows, n), generator=gen).float(),
-        "signed_zeros": lambda: torch.where(torch.rand(rows, n, generator=gen) > 0.5, 0.0, -0.0),
-        "few_eligible": lambda: torch.randn(rows, n, generator=gen),
-    }[scores]()
-    eligible = torch.rand(rows, n, generator=gen) > (0.9 if scores == "few_eligible" else 0.2)
-    want = torch.zeros(rows, n, dtype=torch.bool)
-    for row in range(rows):
-        ranked = sorted((-float(values[row, s]), -s) for s in range(n) if eligible[row, s])
-        for _, minus_s in ranked[:top_k]:
-            want[row, -minus_s] = True
-    for index, chosen in (top_tokens(values, eligible, top_k), _top_tokens_ranked(values, eligible, top_k)):
-        got = torch.zeros(rows, n, dtype=torch.long).scatter_add_(-1, index, chosen.long()) > 0
-        assert torch.equal(got, want)
-        assert torch.equal(index, index.sort(-1).values)  # ascending, the chosen slots first
-        assert torch.equal(chosen, chosen.sort(-1, descending=True).values)
-
-
 @pytest.mark.parametrize("padding", [None, "left"])
 def test_top_k_at_least_the_length_is_causal_dense_attention(padding):
     n = 30

@@ -2,12 +2,14 @@
 
 Each query reads its own block of ``block`` keys (causal inside it) and some chosen complete blocks before it, in
 one softmax. Rather than gathering every query's keys, the work is grouped by key block: one flash call runs all
-own blocks at once (causal), then each chosen key block runs one flash call with exactly the queries that chose it,
-its keys read in place. The parts merge through their log-sum-exps into running fp32 accumulators (extra memory
-O(n·heads·d), not one slot per chosen block). The backward recomputes each part from the merged output and
-log-sum-exp (as :mod:`zoo.ops.union`). A selection shared by the ``G`` query heads of a KV head (NSA's GQA groups)
-runs those heads together: G·m queries in one call over the KV head's block, so each block is read once per group.
-Under attention dropout the parts run :mod:`zoo.ops.dropout`'s kernels.
+own blocks at once (causal), then the queries that chose a key block form that block's group, and groups of similar
+size run together, padded to the batch's largest, one flash call per batch (:meth:`KeyBlockGroups.batches`): a
+call per group cost more in its overheads than in its arithmetic (NSA at 16K: 3,072 groups of 64 keys). The parts
+merge through their log-sum-exps into running fp32 accumulators (extra memory O(n·heads·d), not one slot per chosen
+block). The backward recomputes each part from the merged output and log-sum-exp (as :mod:`zoo.ops.union`). A
+selection shared by the ``G`` query heads of a KV head (NSA's GQA groups) runs those heads together: G·m queries over
+the KV head's block, so each block is read once per group. Under attention dropout each group runs alone on
+:mod:`zoo.ops.dropout`'s kernels (its masks seeded by the group).
 """
 
 from __future__ import annotations
@@ -24,17 +26,44 @@ from zoo.ops.flash import additive_mask, flash_available, flash_backward, flash_
 
 class KeyBlockGroups:
     """The queries of each (part, key block) with part = row·KV head: ``keys`` (K,) the flat key block p·nb + j of
-    each non-empty group, ``index`` (pairs, G) the rows of each (query, head) pair in the part's grouped layout
-    (sorted by group), ``bounds`` (K + 1,) offsets of each group's pairs."""
+    each non-empty group, ``rows`` the flat rows (part·nb·G·block + the row in :func:`to_layout`'s layout) of every
+    group's queries, G heads each, sorted by group, ``bounds`` (K + 1,) the offsets of each group's rows."""
 
-    def __init__(self, keys: torch.Tensor, index: torch.Tensor, bounds: torch.Tensor, nb: int) -> None:
-        self.keys, self.index, self.bounds, self.nb = keys, index, bounds, nb
+    SLACK = 1.25  # a batch of groups holds at most this many padded rows per real one
 
-    def groups(self):
-        """(group number, part, key block, layout rows (G·m,)) per non-empty group."""
-        bounds = self.bounds.tolist()
-        for number, key in enumerate(self.keys.tolist()):
-            yield number, key // self.nb, key % self.nb, self.index[bounds[number] : bounds[number + 1]].flatten()
+    def __init__(self, keys: torch.Tensor, rows: torch.Tensor, bounds: torch.Tensor) -> None:
+        self.keys, self.rows, self.bounds = keys, rows, bounds
+
+    def batches(self, width: int, one_each: bool):
+        """(number, keys (c,), rows (c, M), valid (c, M) bool) per batch of groups, one flash call each: a group alone
+        (``one_each``: the dropout kernels seed each group's call by its ``number``), else groups of similar size,
+        largest first, each padded to the batch's first (``valid`` False; its row any real one), at most
+        ``limits.KEY_BLOCK_BATCH_ELEMENTS`` query elements of ``width`` a batch and :attr:`SLACK` padding."""
+        sizes = self.bounds[1:] - self.bounds[:-1]
+        order = range(len(sizes)) if one_each else sizes.argsort(descending=True, stable=True).tolist()
+        counts, batch, real, longest = sizes.tolist(), [], 0, 0
+        for group in order:
+            size = counts[group]
+            if batch and (
+                one_each
+                or (len(batch) + 1) * longest * width > limits.KEY_BLOCK_BATCH_ELEMENTS
+                or (len(batch) + 1) * longest > self.SLACK * (real + size)
+            ):
+                yield self._batch(batch, longest)
+                batch, real = [], 0
+            if not batch:
+                longest = size
+            batch.append(group)
+            real += size
+        if batch:
+            yield self._batch(batch, longest)
+
+    def _batch(self, groups: list[int], longest: int):
+        chosen = torch.tensor(groups, device=self.rows.device)
+        offsets = torch.arange(longest, device=self.rows.device)
+        valid = offsets < (self.bounds[chosen + 1] - self.bounds[chosen])[:, None]
+        rows = self.rows[(self.bounds[chosen][:, None] + offsets).clamp_(max=len(self.rows) - 1)]
+        return groups[0], self.keys[chosen], rows, valid
 
 
 def by_key_block(blocks: torch.Tensor, chosen: torch.Tensor, block: int, heads: int) -> KeyBlockGroups:
@@ -45,12 +74,12 @@ def by_key_block(blocks: torch.Tensor, chosen: torch.Tensor, block: int, heads: 
     parts, queries, slots = flat_chosen.nonzero(as_tuple=True)
     keys = parts * nb + flat_blocks[parts, queries, slots]
     order = keys.argsort(stable=True)
-    keys, queries = keys[order], queries[order]
-    base = queries // block * (heads * block) + queries % block
-    index = base[:, None] + torch.arange(heads, device=blocks.device) * block
+    keys, parts, queries = keys[order], parts[order], queries[order]
+    base = parts * (nb * heads * block) + queries // block * (heads * block) + queries % block
+    rows = (base[:, None] + torch.arange(heads, device=blocks.device) * block).flatten()
     distinct, counts = torch.unique_consecutive(keys, return_counts=True)
-    bounds = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-    return KeyBlockGroups(distinct, index, bounds, nb)
+    bounds = torch.cat([counts.new_zeros(1), (counts * heads).cumsum(0)])
+    return KeyBlockGroups(distinct, rows, bounds)
 
 
 def to_layout(x: torch.Tensor, kv_heads: int, block: int) -> torch.Tensor:
@@ -118,26 +147,29 @@ def _own_blocks_backward(grad, q, k, v, out, lse, scale: float, dropout: Dropout
 
 class _BlockGrouped(torch.autograd.Function):
     """q (P, nb, G·block, D) in :func:`to_layout`'s layout, k/v (P, nb, block, D): own blocks causal in one call,
-    each chosen key block with its queries in one call each, merged by log-sum-exp; the backward recomputes."""
+    the chosen key blocks with their queries in batches of groups (:meth:`KeyBlockGroups.batches`), merged by
+    log-sum-exp; the backward recomputes (padded rows: no gradient and, with an infinite log-sum-exp, no
+    probability)."""
 
     @staticmethod
     def forward(ctx, scale, picked: KeyBlockGroups, dropout: Dropout, q, k, v):
-        parts, nb, rows, dim = q.shape
+        dim, dv = q.shape[-1], v.shape[-1]
         own_out, own_lse = _own_blocks_forward(q, k, v, scale, dropout)
-        merge = _Merge(own_out.reshape(parts, nb * rows, -1), own_lse.reshape(parts, nb * rows))
-        flat_q = q.view(parts, nb * rows, dim)
-        for number, part, key, index in picked.groups():
+        merge = _Merge(own_out.reshape(-1, dv), own_lse.reshape(-1))
+        flat_q, flat_k, flat_v = q.reshape(-1, dim), k.flatten(0, 1), v.flatten(0, 1)
+        for number, keys, rows, valid in picked.batches(dim, dropout.p > 0):
             out, lse = attention_forward(
-                flat_q[part].index_select(0, index)[None, None],
-                k[part, key][None, None],
-                v[part, key][None, None],
+                flat_q.index_select(0, rows.flatten()).view(*rows.shape, dim)[:, None],
+                flat_k.index_select(0, keys)[:, None],
+                flat_v.index_select(0, keys)[:, None],
                 None,
                 scale,
                 dropout.child(1, number),
             )
-            merge.add(part, index, out[0, 0], lse[0, 0])
+            lse = lse[:, 0].masked_fill_(~valid, float("-inf"))  # padded rows: weight 0, whatever row they name
+            merge.add(rows.flatten(), out.flatten(0, 2), lse.flatten())
         merged, total = merge.result(q.dtype)
-        merged, total = merged.view(parts, nb, rows, -1), total.view(parts, nb, rows)
+        merged, total = merged.view(*q.shape[:-1], dv), total.view(q.shape[:-1])
         ctx.scale, ctx.picked, ctx.dropout = scale, picked, dropout
         ctx.save_for_backward(q, k, v, merged, total)
         return merged
@@ -145,34 +177,38 @@ class _BlockGrouped(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, merged, total = ctx.saved_tensors
-        picked, scale = ctx.picked, ctx.scale
-        parts, nb, rows, dim = q.shape
+        scale, dim, dv = ctx.scale, q.shape[-1], v.shape[-1]
         grad = grad.contiguous()
         grad_q, grad_k, grad_v = _own_blocks_backward(grad, q, k, v, merged, total, scale, ctx.dropout)
         grad_q, grad_k, grad_v = (x.contiguous() for x in (grad_q, grad_k, grad_v))
-        packed = torch.cat([q, grad, merged], -1).view(parts, nb * rows, -1)  # one gather per group for all three
-        flat_grad_q, flat_total, dv = grad_q.view(parts, nb * rows, dim), total.view(parts, nb * rows), v.shape[-1]
-        for number, part, key, index in picked.groups():
-            got = packed[part].index_select(0, index)[None, None]
+        flat_q, flat_grad, flat_out = q.reshape(-1, dim), grad.view(-1, dv), merged.view(-1, dv)
+        flat_total, flat_k, flat_v = total.view(-1), k.flatten(0, 1), v.flatten(0, 1)
+        flat_grad_q, flat_grad_k, flat_grad_v = grad_q.view(-1, dim), grad_k.flatten(0, 1), grad_v.flatten(0, 1)
+        for number, keys, rows, valid in ctx.picked.batches(dim, ctx.dropout.p > 0):
+            index, shape = rows.flatten(), (rows.shape[0], 1, rows.shape[1])
+            got_grad, lse = flat_grad.index_select(0, index).view(*shape, dv), flat_total.index_select(0, index)
+            if not bool(valid.all()):  # padded rows: no gradient and, with an infinite log-sum-exp, no probability
+                got_grad *= valid.view(*shape, 1)
+                lse = lse.masked_fill_(~valid.flatten(), float("inf"))
             gq, gk, gv = attention_backward(
-                got[..., dim : dim + dv],
-                got[..., :dim],
-                k[part, key][None, None],
-                v[part, key][None, None],
-                got[..., dim + dv :],
-                flat_total[part].index_select(0, index)[None, None],
+                got_grad,
+                flat_q.index_select(0, index).view(*shape, dim),
+                flat_k.index_select(0, keys)[:, None],
+                flat_v.index_select(0, keys)[:, None],
+                flat_out.index_select(0, index).view(*shape, dv),
+                lse.view(shape),
                 None,
                 scale,
                 ctx.dropout.child(1, number),
             )
-            flat_grad_q[part].index_add_(0, index, gq[0, 0])
-            grad_k[part, key] += gk[0, 0]
-            grad_v[part, key] += gv[0, 0]
+            flat_grad_q.index_add_(0, index, gq.flatten(0, 2))  # padded rows' gradients are zeros
+            flat_grad_k.index_add_(0, keys, gk[:, 0])
+            flat_grad_v.index_add_(0, keys, gv[:, 0])
         return None, None, None, grad_q, grad_k, grad_v
 
 
 class _Merge:
-    """Running softmax parts per (part, row) in fp32: Σ weight·out and Σ weight with weight = exp(lse - base),
+    """Running softmax parts per row (flat) in fp32: Σ weight·out and Σ weight with weight = exp(lse - base),
     ``base`` (first the own part's log-sum-exp) raised for a row when a part's log-sum-exp passes it by more than
     HEADROOM, so no weight overflows and the largest is at least exp(-HEADROOM)."""
 
@@ -183,21 +219,21 @@ class _Merge:
         self.base = lse.float().clone()
         self.mass = torch.ones_like(self.base)
 
-    def add(self, part: int, index: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-        """Add one part's outputs (m, Dv) and log-sum-exps (m,) to rows ``index`` (distinct) of ``part``."""
-        sums, base, mass = self.sums[part], self.base[part], self.mass[part]
-        shift = lse - base.index_select(0, index)
+    def add(self, index: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Add parts' outputs (m, Dv) and log-sum-exps (m,) to rows ``index`` (m,), a row possibly more than once."""
+        shift = lse - self.base.index_select(0, index)
         high = shift > self.HEADROOM
-        if bool(high.any()):
-            rows, raised = index[high], lse[high]
-            factor = torch.exp(base.index_select(0, rows) - raised)
-            sums.index_copy_(0, rows, sums.index_select(0, rows) * factor[:, None])
-            mass.index_copy_(0, rows, mass.index_select(0, rows) * factor)
-            base.index_copy_(0, rows, raised)
-            shift = lse - base.index_select(0, index)
+        if bool(high.any()):  # raise each such row's base to its largest log-sum-exp, rescaling what it holds
+            raised = self.base.scatter_reduce(0, index[high], lse[high].float(), "amax")
+            rows = index[high].unique()
+            factor = torch.exp(self.base.index_select(0, rows) - raised.index_select(0, rows))
+            self.sums.index_copy_(0, rows, self.sums.index_select(0, rows) * factor[:, None])
+            self.mass.index_copy_(0, rows, self.mass.index_select(0, rows) * factor)
+            self.base = raised
+            shift = lse - self.base.index_select(0, index)
         weight = torch.exp(shift)
-        sums.index_add_(0, index, out.float() * weight[:, None])
-        mass.index_add_(0, index, weight)
+        self.sums.index_add_(0, index, out.float() * weight[:, None])
+        self.mass.index_add_(0, index, weight)
 
     def result(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(merged outputs in ``dtype``, log-sum-exps fp32)."""

@@ -27,11 +27,50 @@ def select_by_query_chunks(select: Callable[[slice], tuple[torch.Tensor, torch.T
 
 
 def top_blocks(scores: torch.Tensor, eligible: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``top_k`` eligible blocks of the highest score, ties to the earlier block.
+    """The ``top_k`` eligible blocks of the highest score, ties to the earlier block (MoBA's and NSA's choice):
+    :func:`top_positions` with ``ties_to_later=False``."""
+    return top_positions(scores, eligible, top_k, ties_to_later=False)
 
-    scores (..., nb) fp32; eligible broadcastable to it. Returns (blocks (..., k') long, chosen (..., k') bool) with
-    k' = min(top_k, nb); a slot is not chosen when fewer blocks are eligible."""
-    count = min(top_k, scores.shape[-1])
+
+def top_positions(scores: torch.Tensor, eligible: torch.Tensor, top_k: int,
+                  ties_to_later: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``top_k`` eligible positions (last dimension) of the highest score, equal scores to the later position
+    (``ties_to_later``) or to the earlier one.
+
+    scores (..., n) fp32, finite or +inf; eligible broadcastable to it. Returns (index (..., k') long ascending,
+    chosen (..., k') bool), k' = min(top_k, n); unchosen slots (fewer eligible positions) hold index n - 1. One
+    ``topk`` of the scores; only the rows holding more positions at their k'-th score than they take (a tie to break,
+    or fewer eligible positions than k') are decided again by :func:`_ranked_positions`, whose 64-bit keys rank equal
+    scores by position."""
+    n = scores.shape[-1]
+    count = min(top_k, n)
     scores = scores.masked_fill(~eligible, float("-inf"))
-    ranked, order = scores.sort(dim=-1, descending=True, stable=True)
-    return order[..., :count], ranked[..., :count] > float("-inf")
+    if count == 0:
+        return scores.new_zeros(*scores.shape[:-1], 0, dtype=torch.long), scores.new_zeros(
+            *scores.shape[:-1], 0, dtype=torch.bool
+        )
+    values, index = scores.topk(count, dim=-1)
+    index = index.sort(dim=-1).values
+    chosen = torch.ones_like(index, dtype=torch.bool)
+    unsure = ((scores >= values[..., -1:]).sum(-1) != count) | (values[..., -1] == float("-inf"))
+    if bool(unsure.any()):
+        rows = unsure.nonzero(as_tuple=True)
+        index[rows], chosen[rows] = _ranked_positions(scores[rows], count, ties_to_later)
+    return index, chosen
+
+
+NOT_ELIGIBLE = torch.iinfo(torch.int64).min
+
+
+def _ranked_positions(scores: torch.Tensor, count: int, ties_to_later: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`top_positions` of scores (m, n) (ineligible ones -inf) through one ``topk`` of 64-bit keys: the score's
+    bits in an order-preserving integer above the position (or its mirror n - 1 - position: ties to the earlier)."""
+    n = scores.shape[-1]
+    bits = (scores + 0.0).view(torch.int32).long()  # + 0.0: -0.0 becomes 0.0, the same score
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # integers in the floats' order
+    positions = torch.arange(n, device=scores.device)
+    keys = (ordered << 32) | (positions if ties_to_later else n - 1 - positions)
+    keys = keys.masked_fill_(scores == float("-inf"), NOT_ELIGIBLE).topk(count, dim=-1, sorted=False).values
+    low = keys & 0xFFFFFFFF
+    index = torch.where(keys != NOT_ELIGIBLE, low if ties_to_later else n - 1 - low, n).sort(dim=-1).values
+    return index.clamp(max=n - 1), index < n

@@ -17,6 +17,9 @@ DEVICE_CHUNK_ELEMENTS = 2**26
 # Off the CPU flash path: entries per SDPA call, under the 65,535 of a CUDA grid axis.
 DEVICE_CHUNK_ENTRIES = 2**15
 
+# Query elements per batch of key-block groups (MoBA's and NSA's chosen blocks on the CPU; 16 MB in fp32).
+KEY_BLOCK_BATCH_ELEMENTS = 2**22
+
 # Key elements of the runs one band (sliding-window) flash call reads (8 MB in fp32).
 RUN_CHUNK_ELEMENTS = 2**21
 

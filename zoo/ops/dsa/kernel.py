@@ -29,7 +29,7 @@ import torch
 from zoo.call import AttentionCall
 from zoo.ops import limits
 from zoo.ops.backends.triton_dsa import triton_kernel
-from zoo.ops.choose import select_by_query_chunks
+from zoo.ops.choose import select_by_query_chunks, top_positions
 from zoo.ops.dropout import Dropout, attention_backward, attention_forward
 from zoo.ops.flash import additive_mask, flash_available
 from zoo.ops.gathered import device_chunks, key_rows, recomputed
@@ -43,33 +43,9 @@ def indexer_scores(index_q: torch.Tensor, index_w: torch.Tensor, index_k: torch.
 
 
 def top_tokens(scores: torch.Tensor, eligible: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``top_k`` eligible keys of the highest score, ties to the later key.
-
-    scores (..., n) fp32, eligible (..., n) bool. Returns (index (..., k') long ascending, chosen (..., k') bool),
-    k' = min(top_k, n); unchosen slots (fewer eligible keys) hold index n - 1. One ``topk`` of the scores; only
-    where a row holds more keys at its k'-th score than it takes (a tie to break, or fewer eligible keys than k')
-    does :func:`_top_tokens_ranked` decide instead, over 64-bit keys that rank equal scores by position."""
-    count = min(top_k, scores.shape[-1])
-    scores = scores.masked_fill(~eligible, float("-inf"))
-    values, index = scores.topk(count, dim=-1)
-    if bool(((scores >= values[..., -1:]).sum(-1) == count).all()) and bool((values[..., -1] > float("-inf")).all()):
-        return index.sort(dim=-1).values, torch.ones_like(index, dtype=torch.bool)
-    return _top_tokens_ranked(scores, eligible, count)
-
-
-def _top_tokens_ranked(scores: torch.Tensor, eligible: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`top_tokens` through one ``topk`` of 64-bit keys: the score's bits in an order-preserving integer above
-    the position."""
-    n = scores.shape[-1]
-    bits = (scores + 0.0).view(torch.int32).long()  # + 0.0: -0.0 becomes 0.0, the same score
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # integers in the floats' order
-    keys = (ordered << 32) | torch.arange(n, device=scores.device)
-    keys = keys.masked_fill_(~eligible, NOT_ELIGIBLE).topk(count, dim=-1, sorted=False).values
-    index = torch.where(keys != NOT_ELIGIBLE, keys & 0xFFFFFFFF, n).sort(dim=-1).values
-    return index.clamp(max=n - 1), index < n
-
-
-NOT_ELIGIBLE = torch.iinfo(torch.int64).min
+    """The ``top_k`` eligible keys of the highest score, ties to the later key (DSA's choice):
+    :func:`zoo.ops.choose.top_positions` with ``ties_to_later=True``."""
+    return top_positions(scores, eligible, top_k, ties_to_later=True)
 
 
 def select_tokens(index_q: torch.Tensor, index_w: torch.Tensor, index_k: torch.Tensor, query_positions: torch.Tensor,
