@@ -215,8 +215,9 @@ class _Merge:
     HEADROOM = 30.0
 
     def __init__(self, out: torch.Tensor, lse: torch.Tensor) -> None:
-        self.sums = out.float().clone()
-        self.base = lse.float().clone()
+        """The first part's outputs (m, Dv) and log-sum-exps (m,), taken over (fp32 ones are written in place)."""
+        self.sums = out.float()
+        self.base = lse.float()
         self.mass = torch.ones_like(self.base)
 
     def add(self, index: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -237,7 +238,7 @@ class _Merge:
 
     def result(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(merged outputs in ``dtype``, log-sum-exps fp32)."""
-        return (self.sums / self.mass[..., None]).to(dtype), self.base + torch.log(self.mass)
+        return self.sums.div_(self.mass[..., None]).to(dtype), self.base.add_(self.mass.log())  # once, at the end
 
 
 def band_attention(q, k, v, width: int, block: int, scale: float, dropout: Dropout) -> torch.Tensor:
