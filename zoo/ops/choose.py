@@ -46,9 +46,8 @@ def top_positions(scores: torch.Tensor, eligible: torch.Tensor, top_k: int,
     count = min(top_k, n)
     scores = scores.masked_fill(~eligible, float("-inf"))
     if count == 0:
-        return scores.new_zeros(*scores.shape[:-1], 0, dtype=torch.long), scores.new_zeros(
-            *scores.shape[:-1], 0, dtype=torch.bool
-        )
+        none = scores.new_zeros(*scores.shape[:-1], 0, dtype=torch.long)
+        return none, none.bool()
     values, index = scores.topk(count, dim=-1)
     index = index.sort(dim=-1).values
     chosen = torch.ones_like(index, dtype=torch.bool)
