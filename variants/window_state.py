@@ -249,11 +249,13 @@ class WindowStateAttention(Variant):
         batch, n = q.shape[0], k.shape[-2]
         end = call.cache.seen if isinstance(call.cache, WindowStateLayer) else n
         sinks = sink_positions(call.row_start, batch, self.sinks, q.device)
-        positions = torch.arange(end - n, end, device=q.device)
-        enters = ~(positions[None, None, :] == sinks[:, :, None]).any(dim=1)  # (B, n)
-        if call.padding_mask is not None:
-            enters = enters & call.padding_mask
-        tokens = {name: _where_entering(tensor, enters) for name, tensor in tokens.items()}
+        enters = call.padding_mask  # (B, n) or None: every token enters
+        if self.sinks:
+            positions = torch.arange(end - n, end, device=q.device)
+            enters_past_sinks = ~(positions[None, None, :] == sinks[:, :, None]).any(dim=1)
+            enters = enters_past_sinks if enters is None else enters & enters_past_sinks
+        if enters is not None:
+            tokens = {name: _where_entering(tensor, enters) for name, tensor in tokens.items()}
         return query, tokens, part_call, sinks
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
@@ -263,6 +265,8 @@ class WindowStateAttention(Variant):
                 f"attention-zoo variant 'window_state': {q.shape[-2]} queries over {k.shape[-2]} keys without its "
                 "own cache; it decodes through zoo.cache.WindowStateLayer (generate's default once the model is "
                 "configured with zoo), not a transformers cache of every key.")
+        if layer is not None and self._steps_in_place(k, v, call, layer):
+            return self._step(q, k, v, call, layer).to(v.dtype)
         dtype, n = v.dtype, q.shape[-2]
         query, tokens, part_call, sink_pos = self._state_inputs(q, k, v, call, layer.state if layer else None)
         new_real = call.padding_mask if call.padding_mask is not None else torch.ones(
@@ -287,6 +291,23 @@ class WindowStateAttention(Variant):
             if self.sinks:
                 layer.keep_sinks(*sinks[:2], sinks[2] >= 0)
         return out.to(dtype)
+
+    def _steps_in_place(self, k, v, call: AttentionCall, layer: WindowStateLayer) -> bool:
+        """A decoding step that :meth:`_step` takes: one new real token, a ring full of real ones, no sinks to add,
+        no gradient through the new key (the ring is a detached buffer)."""
+        real = call.padding_mask is None or bool(call.padding_mask.all())
+        return (k.shape[-2] == 1 and not self.sinks and real and layer.steps_in_place()
+                and not (k.requires_grad or v.requires_grad))
+
+    def _step(self, q, k, v, call: AttentionCall, layer: WindowStateLayer) -> torch.Tensor:
+        """One decoding step without copying the ring: the oldest token goes into the state, the new one takes its
+        slot, and the query reads the W tokens held (its whole window, in slot order) and the state."""
+        query, tokens, part_call, _ = self._state_inputs(q, k, v, call, layer.state)
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            state_out = self.rule.run(self.part, query, layer.oldest(), part_call, layer.state)
+            layer.push(k, v, tokens)
+            numerator, denominator = _one_query_softmax_parts(q, layer.ring_keys, layer.ring_values, call.scaling)
+            return self._combine(numerator, denominator, state_out, self.layer_weights(call).factor)
 
     def _sinks(self, keys, values, sink_pos, end: int, layer: WindowStateLayer | None):
         """(keys, values, positions (B, S), −1 where a row has none yet): those the layer kept, else in the run."""
@@ -369,6 +390,19 @@ def _where_entering(tensor: torch.Tensor, enters: torch.Tensor) -> torch.Tensor:
     """``tensor`` (B, H, n, ...) with the tokens that never enter the state (``enters`` (B, n) False) zeroed."""
     mask = enters[:, None, :].reshape(*enters.shape[:1], 1, enters.shape[1], *([1] * (tensor.dim() - 3)))
     return tensor.masked_fill(~mask, 0.0)
+
+
+def _one_query_softmax_parts(q, keys, values, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, D) of one query per head (B, H, 1, d) over all of ``keys`` (B, Hk, W, d), shifted by the maximum: a
+    KV group's query heads as the rows of one product (no repeated keys)."""
+    dtype = state_dtype(q)
+    batch, heads, _, dim = q.shape
+    groups = heads // keys.shape[1]
+    grouped = q.reshape(batch, keys.shape[1], groups, dim).to(dtype)
+    scores = grouped @ keys.to(dtype).transpose(-1, -2) * scaling  # (B, Hk, G, W)
+    weights = (scores - scores.amax(dim=-1, keepdim=True)).exp()
+    numerator = (weights @ values.to(dtype)).reshape(batch, heads, 1, values.shape[-1])
+    return numerator, weights.sum(dim=-1).reshape(batch, heads, 1, 1)
 
 
 def _masked_softmax_parts(q, k, v, allowed, scaling: float):

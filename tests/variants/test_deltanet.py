@@ -57,8 +57,9 @@ def test_beta_up_to_two_and_strong_decay_stay_exact():
 
 
 @pytest.mark.parametrize("gated", [False, True])
-def test_gradients_equal_the_recurrences(gated):
-    tensors = list(inputs(21, batch=1, heads=2))
+@pytest.mark.parametrize("n", [21, 1])  # 1: a decoding step's own path
+def test_gradients_equal_the_recurrences(gated, n):
+    tensors = list(inputs(n, batch=1, heads=2))
     if not gated:
         tensors[4] = None
     grads = []

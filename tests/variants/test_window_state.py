@@ -5,6 +5,7 @@ exactly the keys that left the window); decoding with the ring cache; refusals b
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -141,6 +142,41 @@ def test_cached_greedy_decoding_equals_the_full_forward(state, combine, state_pa
     testing.assert_decodes_like_the_full_forward(
         "window_state", combine=combine, sinks=2, window=6,
         state={"variant": state, "params": {"chunk_size": 16, **state_params}})
+
+
+@pytest.mark.parametrize("state, combine, state_params", STATES)
+@pytest.mark.parametrize("kv_heads", [HEADS, 2])
+def test_decoding_steps_written_in_place_equal_the_uncached_kernel(state, combine, state_params, kv_heads,
+                                                                    monkeypatch):
+    """A prefill, one-token steps (each into a full ring: the oldest token into the state, the new one over its slot,
+    the ring read in slot order), then a 5-token call (the ring put back in order): each call's rows equal the
+    uncached kernel's, with grouped key/value heads too."""
+    variant = variant_of(state, combine, state_params, window=6)
+    q, k, v, _ = inputs(n=40)
+    k, v = k[:, :kv_heads], v[:, :kv_heads]
+    call = call_for(variant, None)
+    whole = run_variant(variant, q, k, v, call)
+    steps = []
+    in_place = WindowStateAttention._step
+    monkeypatch.setattr(WindowStateAttention, "_step", lambda self, *args: steps.append(1) or in_place(self, *args))
+    layer, pieces = WindowStateLayer(6, 0), []
+    for start, stop in [(0, 20), *((i, i + 1) for i in range(20, 35)), (35, 40)]:
+        layer.update(k[:, :, start:stop], v[:, :, start:stop], kwargs={})
+        pieces.append(run_variant(variant, q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop],
+                                  dataclasses.replace(call, cache=layer)))
+    torch.testing.assert_close(torch.cat(pieces, dim=2), whole, atol=1e-10, rtol=1e-8)
+    assert len(steps) == 15 and layer.ring_head == 0 and layer.held() == 6
+
+
+def test_cached_greedy_decoding_without_sinks_steps_in_place(monkeypatch):
+    """In a model: greedy decoding through the in-place steps (no sinks) gives the full forward's tokens."""
+    steps = []
+    in_place = WindowStateAttention._step
+    monkeypatch.setattr(WindowStateAttention, "_step", lambda self, *args: steps.append(1) or in_place(self, *args))
+    testing.assert_decodes_like_the_full_forward(
+        "window_state", combine="mix", window=6, sinks=0,
+        state={"variant": "gated_deltanet", "params": {"chunk_size": 16, "short_conv": 3}})
+    assert steps
 
 
 def test_cache_holds_the_ring_the_sinks_and_the_state_only():

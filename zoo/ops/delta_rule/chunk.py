@@ -156,6 +156,8 @@ def delta_rule(
     installed (:mod:`zoo.ops.backends.fla`; the same recurrence, an fp32 final state)."""
     if (kernel := fla_kernel("delta_rule" if log_decay is None else "gated_delta_rule", q, k, v)) is not None:
         return fla_delta_rule(kernel, q, k, v, beta, log_decay, scale, initial_state)
+    if k.shape[2] == 1:  # a decoding step: the recurrence's one step, without a chunk's solve and loop
+        return _one_token(q, k, v, beta, log_decay, scale, initial_state)
     dtype, out_dtype = state_dtype(v), v.dtype
     with torch.autocast(device_type=v.device.type, enabled=False):
         q, k, v, beta = (x.to(dtype) for x in (q, k, v, beta))
@@ -201,6 +203,21 @@ def delta_rule(
         out = torch.baddbmm(torch.bmm(scores, delta), queries, entering, beta=scale, alpha=scale)
         out = out.view(batch, heads, chunks * chunk, d_v)[:, :, :n]
     return out.to(out_dtype), state.view(batch, heads, d_k, d_v)
+
+
+def _one_token(q, k, v, beta, log_decay, scale: float, initial_state) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`delta_rule` of one token (n = 1) in four products: S ← α S, S ← S + β k (v − Sᵀk)ᵀ, o = scale · Sᵀq."""
+    dtype, out_dtype = state_dtype(v), v.dtype
+    with torch.autocast(device_type=v.device.type, enabled=False):
+        q, k, v, beta = (x.to(dtype) for x in (q, k, v, beta))
+        batch, heads, _, d_k = k.shape
+        state = (initial_state.to(dtype) if initial_state is not None
+                 else v.new_zeros(batch, heads, d_k, v.shape[-1]))
+        if log_decay is not None:
+            state = state * log_decay.to(dtype).exp()[..., None]  # (B, H, 1, 1): α per head
+        error = v - k @ state  # (B, H, 1, d_v)
+        state = state + k.transpose(-1, -2) @ (beta[..., None] * error)
+        return (scale * (q @ state)).to(out_dtype), state
 
 
 def delta_rule_flops(n: int, d_k: int, d_v: int, chunk_size: int = DEFAULT_CHUNK) -> float:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from zoo.ops.backends.fla import fla_gated_linear, fla_kernel
+from zoo.ops.gated_linear.naive import gated_linear_recurrence
 from zoo.ops.state import state_dtype
 
 CHANNEL_CHUNK = 16  # per-channel decay: the chunk products are C x C x d_k
@@ -47,6 +48,8 @@ def gated_linear_attention(
     per_channel = log_decay.dim() == 4
     if (kernel := fla_kernel("gla" if per_channel else "simple_gla", q, k, v)) is not None:
         return fla_gated_linear(kernel, q, k, v, log_decay, scale, initial_state)
+    if k.shape[2] == 1:  # a decoding step: the definition itself, without a chunk's masks
+        return gated_linear_recurrence(q, k, v, log_decay, scale, initial_state)
     dtype, out_dtype = state_dtype(v), v.dtype
     with torch.autocast(device_type=v.device.type, enabled=False):
         q, k, v, g = (x.to(dtype) for x in (q, k, v, log_decay))
