@@ -62,7 +62,7 @@ def hedgehog_features(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor)
     """φ(x) = [softmax(Wx + b) ⊕ softmax(−(Wx + b))] of x (B, H, n, d) per head: weight (H, f, d), bias (H, f);
     returns (B, H, n, 2f), each half summing to 1."""
     z = torch.einsum("bhnd,hfd->bhnf", x, weight) + bias[:, None, :]
-    return torch.cat([z.softmax(dim=-1), (-z).softmax(dim=-1)], dim=-1)
+    return torch.stack([z, -z], dim=-2).softmax(dim=-1).flatten(-2)  # both halves in one softmax call
 
 
 class HedgehogWeights(LayerWeights):

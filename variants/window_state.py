@@ -239,7 +239,7 @@ class WindowStateAttention(Variant):
 
     def _state_inputs(self, q, k, v, call: AttentionCall, conv: dict | None):
         """The state variant's queries and per-token tensors, zeroed where a token never enters the state (padding,
-        sinks); plus the part's call and the sinks' positions (B, S)."""
+        sinks); plus the part's call and the sinks' positions (B, S), None without sinks."""
         weights = self.layer_weights(call)
         if weights.state is not None:
             weights.state.hidden_states = weights.hidden_states
@@ -248,7 +248,7 @@ class WindowStateAttention(Variant):
             query, tokens = self.rule.inputs(self.part, q, k, v, part_call, conv)
         batch, n = q.shape[0], k.shape[-2]
         end = call.cache.seen if isinstance(call.cache, WindowStateLayer) else n
-        sinks = sink_positions(call.row_start, batch, self.sinks, q.device)
+        sinks = sink_positions(call.row_start, batch, self.sinks, q.device) if self.sinks else None
         enters = call.padding_mask  # (B, n) or None: every token enters
         if self.sinks:
             positions = torch.arange(end - n, end, device=q.device)
