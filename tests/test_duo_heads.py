@@ -33,6 +33,7 @@ from zoo.retrofit.heads import (
     DuoConfigError,
     choose_full_heads,
     count_heads,
+    filler_passkey_prompts,
     load_config,
     passkey_prompts,
     plot_heads_map,
@@ -168,6 +169,19 @@ def test_passkey_prompts_hide_each_needle_and_ask_for_it():
         passkey_prompts(tokenizer, 1, [120, 120], passkeys=3, words=5, seed=7)
 
 
+def test_filler_passkey_prompts_hide_the_key_and_end_with_its_answer():
+    tokenizer = WordTokenizer()
+    made = filler_passkey_prompts(tokenizer, 4, [200, 260], seed=5)
+    assert [p.ids for p in made] == [p.ids for p in filler_passkey_prompts(tokenizer, 4, [200, 260], seed=5)]
+    for prompt in made:
+        key = tokenizer(str(prompt.meta["key"])).input_ids
+        (start, end), rows = prompt.needles[0], prompt.answer_rows[0]
+        assert 200 <= len(prompt.ids) <= 260 and len(prompt.answer_rows) == 1
+        assert [prompt.ids[row + 1] for row in rows] == key and rows[-1] == len(prompt.ids) - 2
+        assert key[0] in prompt.ids[start:end] and key[0] not in prompt.ids[:start] and end <= rows[0]
+    assert len({p.meta["key"] for p in made}) == 4
+
+
 def test_heads_map_is_drawn(tmp_path):
     scores = {"gates": torch.rand(4, 3), "needle": torch.rand(4, 3)}
     chosen = {name: {"0.25": choose_full_heads(table, 0.25)} for name, table in scores.items()}
@@ -182,6 +196,8 @@ def test_heads_map_is_drawn(tmp_path):
     ({"recent": 5000}, r"recent=5000; use a whole number from 1 to 4096"),
     ({"data": {"lengths": [512]}}, r"data.lengths"),
     ({"gates": {"lr": 0.1}}, r"gates takes"),
+    ({"gates": {"steps": -1}}, r"gates.steps=-1"),
+    ({"data": {"passkey_prompts": -2}}, r"data.passkey_prompts=-2"),
 ])  # fmt: skip
 def test_config_errors_name_the_key(tmp_path, tiny_smollm2_llama, change, message):
     path = tmp_path / "duo.yaml"
@@ -219,6 +235,30 @@ def test_the_recipe_writes_scores_choices_and_duo_folders_that_reload(tmp_path, 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
     assert model.config.attention_zoo["params"]["full_heads"] == record["chosen"]["needle"]["0.5"]
     assert "full_heads" in (folder / "README.md").read_text()
+
+
+def test_the_recipe_without_gates_scores_needles_and_filler_passkeys(tmp_path, tiny_smollm2_llama, monkeypatch):
+    """``gates.steps: 0`` trains nothing; ``data.passkey_prompts`` adds ``needle_passkey``, the larger of the two
+    masses per head, so it keeps every head the needle score keeps at a share when that share's heads lead both."""
+    monkeypatch.setattr(heads, "WORDS_PER_BOOK", 3000)
+    heads._train_books.cache_clear()
+    path = tmp_path / "duo.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": str(tiny_smollm2_llama()), "output_dir": str(tmp_path / "out"), "sinks": 2, "recent": 16,
+        "fractions": [0.5], "data": {"lengths": [300, 340], "passkeys": 2, "words": 4, "calibration_prompts": 2,
+                                     "passkey_prompts": 2},
+        "gates": {"steps": 0}, "held_out": {"sequences": 1, "length": 128}, "save_models": False}))
+    masses = iter([torch.tensor([[0.9, 0.1], [0.2, 0.3]]), torch.tensor([[0.0, 0.0], [0.8, 0.1]])])
+    seen = []
+    monkeypatch.setattr(heads, "needle_mass", lambda model, prompts: seen.append(prompts) or next(masses))
+    heads.run(heads.load_config(path))
+    record = json.loads((tmp_path / "out" / "heads.json").read_text())
+    assert set(record["chosen"]) == {"needle", "needle_passkey"} and "gates" not in record
+    torch.testing.assert_close(torch.tensor(record["scores"]["needle_passkey"]),
+                               torch.tensor([[0.9, 0.1], [0.8, 0.3]]))  # the larger mass per head
+    assert record["chosen"]["needle"]["0.5"] == [[0], [1]] and record["chosen"]["needle_passkey"]["0.5"] == [[0], [0]]
+    assert [len(p.needles) for p in seen[1]] == [1, 1] and "key" in seen[1][0].meta  # filler passkeys, one needle
+    assert record["needle_passkey"]["prompts"] == 2 and record["data"]["seeds"]["passkey"] == 1236
 
 
 def test_binary_gates_are_the_saved_duo_layout():

@@ -22,6 +22,11 @@ NEW_TOKENS = 8
 
 def build_prompt(tokenizer, length: int, depth: float, key: int) -> list[int]:
     """Exactly ``length`` token ids: header, filler with the needle at ``depth`` of it, the question."""
+    return prompt_parts(tokenizer, length, depth, key)[0]
+
+
+def prompt_parts(tokenizer, length: int, depth: float, key: int) -> tuple[list[int], tuple[int, int]]:
+    """:func:`build_prompt`'s ids and the needle's token span ``[start, end)`` in them."""
     def ids(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False).input_ids
 
@@ -29,7 +34,8 @@ def build_prompt(tokenizer, length: int, depth: float, key: int) -> list[int]:
     room = length - len(head) - len(needle) - len(question)
     body = (filler * (room // len(filler) + 1))[:room]
     cut = int(depth * room)
-    return head + body[:cut] + needle + body[cut:] + question
+    start = len(head) + cut
+    return head + body[:cut] + needle + body[cut:] + question, (start, start + len(needle))
 
 
 def write_prompts(out: Path, contexts: list[int], depths: list[float], keys: int, seed: int = 0) -> Path:

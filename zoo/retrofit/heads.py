@@ -1,6 +1,7 @@
 """Choosing the KV heads that keep the whole cache (the ``duo`` layouts: ``zoo.configure(model, "duo", full_heads=)``):
-synthetic multi-passkey prompts the zoo makes offline (:func:`passkey_prompts`), the top share of heads by a score
-(:func:`choose_full_heads`) and a picture of the scores (:func:`plot_heads_map`).
+synthetic multi-passkey prompts the zoo makes offline (:func:`passkey_prompts`; :func:`filler_passkey_prompts`, the
+passkey benchmark's kind), the top share of heads by a score (:func:`choose_full_heads`) and a picture of the scores
+(:func:`plot_heads_map`).
 
 The prompts follow DuoAttention's training data (mit-han-lab/duo-attention ``duo_attn/data.py``): passkeys of NATO
 words ("alpha bravo ...") filed as the first, second, ... passkey to a vault, hidden at random depths of a long book
@@ -25,6 +26,7 @@ import yaml
 from huggingface_hub import ModelCard, ModelCardData
 from transformers import AutoConfig
 
+from zoo.bench.passkey import prompt_parts
 from zoo.data.gutenberg import build_lm
 from zoo.eval.contestants import hub_id, load_model, model_path
 from zoo.plug.install import configure
@@ -116,6 +118,23 @@ def passkey_prompts(tokenizer, count: int, lengths: Sequence[int], passkeys: int
     return prompts
 
 
+def filler_passkey_prompts(tokenizer, count: int, lengths: Sequence[int], seed: int) -> list[Retrieval]:
+    """``count`` prompts of the passkey benchmark's kind (:mod:`zoo.bench.passkey`: a 5-digit key in repeated filler,
+    asked for at the end), each followed by its answer, of a length drawn from ``lengths`` = [least, most], the needle
+    at a random depth in 0.05..0.95. Keys, depths and lengths come from ``seed`` (``zoo eval`` draws its own)."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        length, depth = rng.randint(min(lengths), max(lengths)), rng.uniform(0.05, 0.95)
+        key = rng.randrange(10**4, 10**5)
+        answer = _encode(tokenizer, f" {key}")
+        ids, needle = prompt_parts(tokenizer, length - len(answer), depth, key)
+        rows = list(range(len(ids) - 1, len(ids) + len(answer) - 1))  # each row predicts an answer token
+        prompts.append(Retrieval(ids=ids + answer, loss_rows=rows, answer_rows=[rows], needles=[needle],
+                                 meta={"key": key, "depth": depth}))
+    return prompts
+
+
 def choose_full_heads(scores: torch.Tensor, fraction: float) -> list[list[int]]:
     """The ``full_heads`` lists (one per layer) of the top ``fraction`` of all KV heads by ``scores`` (layers, KV
     heads), ranked across the whole model (DuoAttention's deployment thresholding): at least
@@ -168,7 +187,8 @@ def plot_heads_map(scores: Mapping[str, torch.Tensor], chosen: Mapping[str, Mapp
 
 TOP_KEYS = {"model", "output_dir", "seed", "threads", "device", "dtype", "sinks", "recent", "fractions", "data",
             "gates", "swap_kl", "held_out", "save_models"}
-DATA_DEFAULTS = {"lengths": [1024, 1536], "passkeys": 4, "words": 16, "train_prompts": 32, "calibration_prompts": 8}
+DATA_DEFAULTS = {"lengths": [1024, 1536], "passkeys": 4, "words": 16, "train_prompts": 32, "calibration_prompts": 8,
+                 "passkey_prompts": 0}  # passkey_prompts: filler-passkey calibration prompts (0: no needle_passkey)
 GATE_KEYS = {f.name for f in fields(GateSettings)} - {"seed"}
 HELD_OUT_DEFAULTS = {"sequences": 2, "length": 2048}  # KL of each layout on the validation book (swap KL: the same)
 
@@ -241,9 +261,11 @@ def load_config(path: str | Path, overrides: dict | None = None) -> DuoConfig:
                              f"{positions} positions, e.g. [1024, 1536].")
     for key in ("passkeys", "words", "train_prompts", "calibration_prompts"):
         _whole(path, f"data.{key}", data[key], 1)
+    _whole(path, "data.passkey_prompts", data["passkey_prompts"], 0)
     gates = raw.get("gates") or {}
     if not isinstance(gates, dict) or set(gates) - GATE_KEYS:
         raise DuoConfigError(f"{path}: gates takes {sorted(GATE_KEYS)}; got {gates!r}.")
+    _whole(path, "gates.steps", gates.get("steps", GateSettings.steps), 0)  # 0: no trained gates
     held_out = _block(raw, "held_out", HELD_OUT_DEFAULTS, path)
     return DuoConfig(model=str(raw["model"]), output_dir=Path(raw["output_dir"]), seed=int(raw.get("seed", 1234)),
                      threads=raw.get("threads"), device=raw.get("device"), dtype=raw.get("dtype"), sinks=sinks,
@@ -254,14 +276,31 @@ def load_config(path: str | Path, overrides: dict | None = None) -> DuoConfig:
 
 
 def scores_of(cfg: DuoConfig, model, tokenizer, log) -> tuple[dict[str, torch.Tensor], dict]:
-    """Each method's (layers, KV heads) scores and what they cost."""
+    """Each method's (layers, KV heads) scores and what they cost: the trained gates (unless ``gates.steps`` is 0),
+    the needle mass, and with ``data.passkey_prompts`` the larger of the needle mass and the mass on filler passkeys
+    (``needle_passkey``: a head either kind of retrieval reads)."""
     data = cfg.data
     make = dict(lengths=data["lengths"], passkeys=data["passkeys"], words=data["words"])
-    train = passkey_prompts(tokenizer, data["train_prompts"], seed=cfg.seed, **make)
     calibration = passkey_prompts(tokenizer, data["calibration_prompts"], seed=cfg.seed + 1, **make)
-    trained = train_gates(model, train, cfg.gates, cfg.sinks, cfg.recent, log=log)
+    scores, record = ({}, {}) if not cfg.gates.steps else _gate_scores(cfg, model, tokenizer, log, make)
     started = time.perf_counter()
-    needle = needle_mass(model, calibration)
+    scores["needle"] = needle_mass(model, calibration)
+    record["needle"] = {"prompts": len(calibration), "seed": cfg.seed + 1,
+                        "tokens": sum(len(p.ids) for p in calibration), "minutes": (time.perf_counter() - started) / 60}
+    if data["passkey_prompts"]:
+        started = time.perf_counter()
+        filler = filler_passkey_prompts(tokenizer, data["passkey_prompts"], data["lengths"], seed=cfg.seed + 2)
+        scores["needle_passkey"] = torch.maximum(scores["needle"], needle_mass(model, filler))
+        record["needle_passkey"] = {"prompts": len(filler), "seed": cfg.seed + 2,
+                                    "tokens": sum(len(p.ids) for p in filler),
+                                    "minutes": (time.perf_counter() - started) / 60}
+    return scores, record
+
+
+def _gate_scores(cfg: DuoConfig, model, tokenizer, log, make: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """DuoAttention's trained gates as scores, and their record."""
+    train = passkey_prompts(tokenizer, cfg.data["train_prompts"], seed=cfg.seed, **make)
+    trained = train_gates(model, train, cfg.gates, cfg.sinks, cfg.recent, log=log)
     steps = [row["seconds"] for row in trained["history"]]
     record = {
         "gates": {"settings": asdict(cfg.gates), "alpha": trained["alpha"].tolist(),
@@ -270,12 +309,9 @@ def scores_of(cfg: DuoConfig, model, tokenizer, log) -> tuple[dict[str, torch.Te
                   "prompt_tokens": [min(len(p.ids) for p in train), max(len(p.ids) for p in train)],
                   "step_seconds": {"mean": sum(steps) / len(steps), "min": min(steps), "max": max(steps)},
                   "minutes": trained["seconds"] / 60},
-        "needle": {"prompts": len(calibration), "seed": cfg.seed + 1, "tokens": sum(len(p.ids) for p in calibration),
-                   "minutes": (time.perf_counter() - started) / 60},
     }
     # ties at the clamp (many α end at 0 or 1) are broken by α averaged over the run
-    scores = {"gates": trained["alpha"] + 1e-3 * trained["mean_alpha"], "needle": needle}
-    return scores, record
+    return {"gates": trained["alpha"] + 1e-3 * trained["mean_alpha"]}, record
 
 
 def layout_kl(cfg: DuoConfig, model, sequences: torch.Tensor, teacher: torch.Tensor, chosen: dict) -> dict:
@@ -312,6 +348,7 @@ def save_layouts(cfg: DuoConfig, model, tokenizer, chosen: dict) -> dict[str, st
 def write_card(cfg: DuoConfig, folder: Path, method: str, fraction: str, full_heads: list[list[int]]) -> None:
     layers = [i for i, heads in enumerate(full_heads) if heads]
     how = {"gates": "DuoAttention's trained gates", "needle": "the attention mass on needles (training-free)",
+           "needle_passkey": "the larger of the attention masses on needles and on filler passkeys (training-free)",
            "swap_kl": "the per-head swap KL (training-free)"}[method]
     data = ModelCardData(base_model=hub_id(cfg.model), library_name="transformers", pipeline_tag="text-generation",
                          tags=["attention-zoo", "duo", "duoattention"])
@@ -352,8 +389,8 @@ def run(cfg: DuoConfig) -> dict:
                    f"{cfg.model}: KV-head scores ({cfg.sinks} sinks + {cfg.recent} recent for streaming heads)")
     summary = {
         "model": cfg.model, "sinks": cfg.sinks, "recent": cfg.recent, "fractions": cfg.fractions,
-        "data": {**cfg.data, "haystack": "Gutenberg LM train books", "seeds": {"train": cfg.seed,
-                                                                              "calibration": cfg.seed + 1}},
+        "data": {**cfg.data, "haystack": "Gutenberg LM train books (passkey_prompts: the passkey filler)",
+                 "seeds": {"train": cfg.seed, "calibration": cfg.seed + 1, "passkey": cfg.seed + 2}},
         "scores": {method: table.tolist() for method, table in scores.items()},
         "chosen": chosen,
         "heads": {m: {f: count_heads(h) for f, h in layouts.items()} for m, layouts in chosen.items()},
