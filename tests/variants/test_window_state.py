@@ -179,6 +179,20 @@ def test_cached_greedy_decoding_without_sinks_steps_in_place(monkeypatch):
     assert steps
 
 
+@pytest.mark.parametrize("state, combine", [("linear", "shared"), ("gated_deltanet", "mix")])
+def test_beam_search_through_the_in_place_steps_equals_the_uncached_beams(state, combine, monkeypatch):
+    """Beams reorder the ring between in-place steps (its rotation kept): the same beams as without a cache."""
+    steps = []
+    in_place = WindowStateAttention._step
+    monkeypatch.setattr(WindowStateAttention, "_step", lambda self, *args: steps.append(1) or in_place(self, *args))
+    model = testing.causal_lm("window_state", window=6, sinks=0, combine=combine, state=state)
+    ids, mask = testing.decode_prompts()
+    settings = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, num_beams=3, pad_token_id=0)
+    with torch.no_grad():
+        cached, uncached = model.generate(ids, **settings), model.generate(ids, use_cache=False, **settings)
+    assert torch.equal(cached, uncached) and steps
+
+
 def test_cache_holds_the_ring_the_sinks_and_the_state_only():
     model = testing.causal_lm("window_state", window=6, sinks=2)
     ids, mask = testing.decode_prompts()
