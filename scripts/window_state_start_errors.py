@@ -33,6 +33,11 @@ def gated_deltanet(output_norm: bool) -> dict:
     return {"variant": "gated_deltanet", "params": {"gates": "keys", "short_conv": 0, "output_norm": output_norm}}
 
 
+def gla(output_norm: bool) -> dict:
+    """Liger's GLA gates (per key channel, from the keys) without its softmax feature map on q and k."""
+    return {"variant": "gla", "params": {"gates": "keys", "short_conv": 0, "output_norm": output_norm}}
+
+
 def settings(window: int) -> dict[str, dict]:
     mix = {"window": window, "combine": "mix"}
     return {
@@ -42,6 +47,8 @@ def settings(window: int) -> dict[str, dict]:
         "Liger-style mix (output norm)": {**mix, "state": gated_deltanet(True)},
         "Liger-style mix (no output norm)": {**mix, "state": gated_deltanet(False)},
         "LoLCATs-style shared": {"window": window, "combine": "shared", "state": HEDGEHOG},
+        "gla alone (output norm)": {**mix, "state": gla(True), "factor_init": -30.0},
+        "gla alone (no output norm)": {**mix, "state": gla(False), "factor_init": -30.0},
     }
 
 
