@@ -1,11 +1,12 @@
 """Time variants' attention alone (no projections) against SDPA, forward + backward, and list where the time goes.
 
 The benchmark (`zoo bench`) times one layer with its q/k/v projections, whose cost is the same for every variant and
-caps the ratios; this times the kernels alone on random q/k/v (1, heads, n, head_dim) fp32, causal, best of
-``--repeats`` after one warm-up, the variants taking turns, then one profiled step per variant (torch.profiler, the
-operators of largest own time). Example (docs/guides/which-variant.md):
+caps the ratios; this times the kernels alone (variants without learned per-layer weights: `moba`, the patterns) on
+random q/k/v (1, heads, n, head_dim) fp32, causal, best of ``--repeats`` after one warm-up, the variants taking turns,
+then one profiled step per variant (torch.profiler, the operators of largest own time). The run in
+docs/guides/which-variant.md:
 
-    .venv/bin/python scripts/attention_alone.py --variants moba nsa --length 16384 --threads 2
+    .venv/bin/python scripts/attention_alone.py --variants moba --length 16384 --threads 2 --rows 8
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from torch.profiler import profile
 
 from zoo.call import AttentionCall
 from zoo.registry import get_variant_class
+from zoo.variant import Variant
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", nargs="+", default=["moba"], help="zoo variants, at their defaults")
+    parser.add_argument("--variants", nargs="+", default=["moba"],
+                        help="zoo variants without learned weights, at their defaults")
     parser.add_argument("--length", type=int, default=16384)
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--head-dim", type=int, default=64)
@@ -38,6 +41,8 @@ def main() -> None:
     steps = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
     for name in args.variants:
         variant = get_variant_class(name)()
+        if type(variant).make_module is not Variant.make_module:  # nsa, dsa: their weights read the hidden states
+            parser.error(f"{name} has learned per-layer weights that need a model around it; time it with zoo bench.")
         steps[name] = lambda variant=variant: variant.attend(q, k, v, call)
 
     def run(step) -> float:
