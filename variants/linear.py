@@ -46,7 +46,7 @@ from zoo.ops import (
     linear_attention_flops,
     linear_attention_reference,
 )
-from zoo.ops.state import state_dtype
+from zoo.ops.state import autocast_off, state_dtype
 from zoo.variant import AttentionCall, LayerWeights, Param, Variant, VariantParameterError
 
 FEATURE_MAPS = ("elu", "hedgehog")
@@ -61,7 +61,7 @@ def elu_features(x: torch.Tensor) -> torch.Tensor:
 def hedgehog_features(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """φ(x) = [softmax(Wx + b) ⊕ softmax(−(Wx + b))] of x (B, H, n, d) per head: weight (H, f, d), bias (H, f);
     returns (B, H, n, 2f), each half summing to 1."""
-    z = torch.einsum("bhnd,hfd->bhnf", x, weight) + bias[:, None, :]
+    z = torch.matmul(x, weight.transpose(-1, -2)) + bias[:, None, :]  # one batched product (einsum costs 4x a step)
     return torch.stack([z, -z], dim=-2).softmax(dim=-1).flatten(-2)  # both halves in one softmax call
 
 
@@ -140,7 +140,7 @@ class LinearAttention(Variant):
     def _mapped(self, q, k, v, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """φ(q), φ(k) and v in the compute dtype (no convolution)."""
         dtype = state_dtype(q)
-        with torch.autocast(device_type=q.device.type, enabled=False):
+        with autocast_off(q.device.type):
             q, k, v = (x.to(dtype) for x in (q, k, v))
             if self.feature_map == "elu":
                 return F.elu(q) + 1.0, F.elu(k) + 1.0, v

@@ -36,6 +36,7 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from zoo.variants.based import BasedAttention
 from zoo.variants.deltanet import DeltaNetAttention
@@ -49,7 +50,7 @@ from zoo.ops.delta_rule import delta_rule
 from zoo.ops.delta_rule.naive import delta_rule_recurrence
 from zoo.ops.gated_linear import gated_linear_attention, gated_linear_flops
 from zoo.ops.gated_linear.naive import gated_linear_recurrence
-from zoo.ops.state import carried, state_dtype
+from zoo.ops.state import autocast_off, carried, state_dtype
 from zoo.ops.streaming import gather_sinks, sink_positions
 from zoo.ops.window_state import shifted, window_softmax_parts
 from zoo.registry import UnknownVariantError, get_variant_class
@@ -103,7 +104,7 @@ class FeatureRule(StateRule):
         return phi_q, {"k": phi_k, "v": v}
 
     def _args(self, query, tokens):
-        values = torch.cat([tokens["v"], torch.ones_like(tokens["v"][..., :1])], dim=-1)
+        values = F.pad(tokens["v"], (0, 1), value=1.0)
         no_decay = query.new_zeros(query.shape[:3])
         return query, tokens["k"], values, no_decay
 
@@ -112,9 +113,15 @@ class FeatureRule(StateRule):
 
     def run(self, part, query, tokens, call, state):
         if state is not None and query.shape[2] == 1 and "linear" in state:  # a decoding step: S += φ(k)ᵀ[v, 1]
-            query, keys, values, _ = self._args(query, tokens)
-            state["linear"] = state["linear"] + keys.transpose(-1, -2) @ values.to(state["linear"].dtype)
-            return self._split(query.to(state["linear"].dtype) @ state["linear"])
+            summed = state["linear"]
+            keys = tokens["k"].to(summed.dtype).transpose(-1, -2)
+            values = F.pad(tokens["v"].to(summed.dtype), (0, 1), value=1.0)
+            if summed.requires_grad:  # a prefill under autograd made it: keep the graph
+                state["linear"] = summed = summed + keys @ values
+            else:  # added in place, as the ring is written (one fused product, no new state tensor a step)
+                summed.view(-1, *summed.shape[-2:]).baddbmm_(keys.reshape(-1, keys.shape[-2], 1),
+                                                             values.reshape(-1, 1, values.shape[-1]))
+            return self._split(query.to(summed.dtype) @ summed)
         return self._split(carried(gated_linear_attention, state, "linear", *self._args(query, tokens), 1.0))
 
     def recurrence(self, part, query, tokens, call):
@@ -240,12 +247,7 @@ class WindowStateAttention(Variant):
     def _state_inputs(self, q, k, v, call: AttentionCall, conv: dict | None):
         """The state variant's queries and per-token tensors, zeroed where a token never enters the state (padding,
         sinks); plus the part's call and the sinks' positions (B, S), None without sinks."""
-        weights = self.layer_weights(call)
-        if weights.state is not None:
-            weights.state.hidden_states = weights.hidden_states
-        part_call = dataclasses.replace(call, weights=weights.state, cache=None)
-        with torch.autocast(device_type=q.device.type, enabled=False):
-            query, tokens = self.rule.inputs(self.part, q, k, v, part_call, conv)
+        query, tokens, part_call = self._part_inputs(q, k, v, call, conv)
         batch, n = q.shape[0], k.shape[-2]
         end = call.cache.seen if isinstance(call.cache, WindowStateLayer) else n
         sinks = sink_positions(call.row_start, batch, self.sinks, q.device) if self.sinks else None
@@ -257,6 +259,16 @@ class WindowStateAttention(Variant):
         if enters is not None:
             tokens = {name: _where_entering(tensor, enters) for name, tensor in tokens.items()}
         return query, tokens, part_call, sinks
+
+    def _part_inputs(self, q, k, v, call: AttentionCall, conv: dict | None):
+        """The state variant's queries and per-token tensors of every token given, and the part's call."""
+        weights = self.layer_weights(call)
+        if weights.state is not None:
+            weights.state.hidden_states = weights.hidden_states
+        part_call = dataclasses.replace(call, weights=weights.state, cache=None)
+        with autocast_off(q.device.type):
+            query, tokens = self.rule.inputs(self.part, q, k, v, part_call, conv)
+        return query, tokens, part_call
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         layer = call.cache if isinstance(call.cache, WindowStateLayer) else None
@@ -281,7 +293,7 @@ class WindowStateAttention(Variant):
         entering = {name: shifted(tensor, self.window - held)[:, :, :n] for name, tensor in run.items()}
         end = layer.seen if layer is not None else n
         sinks = self._sinks(keys, values, sink_pos, end, layer)
-        with torch.autocast(device_type=q.device.type, enabled=False):
+        with autocast_off(q.device.type):
             numerator, denominator, _ = window_softmax_parts(q, keys, values, self.window, call.scaling, end,
                                                              None if bool(real.all()) else real, sinks)
             state_out = self.rule.run(self.part, query, entering, part_call, layer.state if layer else None)
@@ -302,8 +314,8 @@ class WindowStateAttention(Variant):
     def _step(self, q, k, v, call: AttentionCall, layer: WindowStateLayer) -> torch.Tensor:
         """One decoding step without copying the ring: the oldest token goes into the state, the new one takes its
         slot, and the query reads the W tokens held (its whole window, in slot order) and the state."""
-        query, tokens, part_call, _ = self._state_inputs(q, k, v, call, layer.state)
-        with torch.autocast(device_type=q.device.type, enabled=False):
+        query, tokens, part_call = self._part_inputs(q, k, v, call, layer.state)  # real, no sinks: all enter
+        with autocast_off(q.device.type):
             state_out = self.rule.run(self.part, query, layer.oldest(), part_call, layer.state)
             layer.push(k, v, tokens)
             numerator, denominator = _one_query_softmax_parts(q, layer.ring_keys, layer.ring_values, call.scaling)

@@ -1,9 +1,21 @@
 """Recurrent-state helpers shared by the recurrent kernels (``delta_rule``, ``gated_linear``, ``based``'s linear
-attention): the dtype states accumulate in, and carrying a kernel's final state across calls in a state dict."""
+attention): the dtype states accumulate in, autocast kept off around them, and carrying a kernel's final state across
+calls in a state dict."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+
+def autocast_off(device_type: str):
+    """A region where autocast is off, as a context manager: ``torch.autocast(enabled=False)`` when autocast is on,
+    else nothing to enter (the plug already turned it off around every kernel, and a decoding step is a few dozen
+    small ops, each context a measurable share)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def state_dtype(x: torch.Tensor) -> torch.dtype:
