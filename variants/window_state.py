@@ -116,7 +116,7 @@ class FeatureRule(StateRule):
             summed = state["linear"]
             keys = tokens["k"].to(summed.dtype).transpose(-1, -2)
             values = F.pad(tokens["v"].to(summed.dtype), (0, 1), value=1.0)
-            if summed.requires_grad:  # a prefill under autograd made it: keep the graph
+            if summed.requires_grad:  # made by a call under autograd, which may have saved it for its backward
                 state["linear"] = summed = summed + keys @ values
             else:  # added in place, as the ring is written (one fused product, no new state tensor a step)
                 summed.view(-1, *summed.shape[-2:]).baddbmm_(keys.reshape(-1, keys.shape[-2], 1),
@@ -277,7 +277,7 @@ class WindowStateAttention(Variant):
                 f"attention-zoo variant 'window_state': {q.shape[-2]} queries over {k.shape[-2]} keys without its "
                 "own cache; it decodes through zoo.cache.WindowStateLayer (generate's default once the model is "
                 "configured with zoo), not a transformers cache of every key.")
-        if layer is not None and self._steps_in_place(k, v, call, layer):
+        if layer is not None and self._steps_in_place(q, k, v, call, layer):
             return self._step(q, k, v, call, layer).to(v.dtype)
         dtype, n = v.dtype, q.shape[-2]
         query, tokens, part_call, sink_pos = self._state_inputs(q, k, v, call, layer.state if layer else None)
@@ -304,12 +304,13 @@ class WindowStateAttention(Variant):
                 layer.keep_sinks(*sinks[:2], sinks[2] >= 0)
         return out.to(dtype)
 
-    def _steps_in_place(self, k, v, call: AttentionCall, layer: WindowStateLayer) -> bool:
+    def _steps_in_place(self, q, k, v, call: AttentionCall, layer: WindowStateLayer) -> bool:
         """A decoding step that :meth:`_step` takes: one new real token, a ring full of real ones, no sinks to add,
-        no gradient through the new key (the ring is a detached buffer)."""
+        no gradient through the step (the ring is a buffer written in place: a product that saved it for a backward
+        pass would find it changed)."""
         real = call.padding_mask is None or bool(call.padding_mask.all())
         return (k.shape[-2] == 1 and not self.sinks and real and layer.steps_in_place()
-                and not (k.requires_grad or v.requires_grad))
+                and not (q.requires_grad or k.requires_grad or v.requires_grad))
 
     def _step(self, q, k, v, call: AttentionCall, layer: WindowStateLayer) -> torch.Tensor:
         """One decoding step without copying the ring: the oldest token goes into the state, the new one takes its

@@ -168,6 +168,33 @@ def test_decoding_steps_written_in_place_equal_the_uncached_kernel(state, combin
     assert len(steps) == 15 and layer.ring_head == 0 and layer.held() == 6
 
 
+def test_steps_under_autograd_keep_the_graph(monkeypatch):
+    """A prefill with gradients; one-token steps whose queries carry gradients (they take the general path: the ring
+    written in place would change what the window's product saved); then steps of plain tokens (in place, the state
+    made under autograd updated out of place). Every row equals the uncached kernel's, and the outputs backpropagate
+    to the queries and to the prefill's keys."""
+    variant = variant_of("linear", "shared", window=6)
+    q, k, v, _ = inputs(n=30)
+    call = call_for(variant, None)
+    whole = run_variant(variant, q, k, v, call)
+    steps = []
+    in_place = WindowStateAttention._step
+    monkeypatch.setattr(WindowStateAttention, "_step", lambda self, *args: steps.append(1) or in_place(self, *args))
+    prefill_keys, queries = k[:, :, :20].clone().requires_grad_(), q.clone().requires_grad_()
+    layer = WindowStateLayer(6, 0)
+    layer.update(prefill_keys, v[:, :, :20], kwargs={})
+    pieces = [run_variant(variant, q[:, :, :20], prefill_keys, v[:, :, :20], dataclasses.replace(call, cache=layer))]
+    for i in range(20, 30):
+        layer.update(k[:, :, i : i + 1], v[:, :, i : i + 1], kwargs={})
+        query = queries[:, :, i : i + 1] if i < 25 else q[:, :, i : i + 1]
+        pieces.append(run_variant(variant, query, k[:, :, i : i + 1], v[:, :, i : i + 1],
+                                  dataclasses.replace(call, cache=layer)))
+    torch.testing.assert_close(torch.cat(pieces, dim=2), whole, atol=1e-10, rtol=1e-8)
+    torch.cat(pieces[1:], dim=2).sum().backward()
+    assert len(steps) == 5 and queries.grad[:, :, 20:25].abs().sum() > 0
+    assert prefill_keys.grad[:, :, :14].abs().sum() > 0  # keys 0-13 entered the state in the prefill
+
+
 def test_cached_greedy_decoding_without_sinks_steps_in_place(monkeypatch):
     """In a model: greedy decoding through the in-place steps (no sinks) gives the full forward's tokens."""
     steps = []
