@@ -97,6 +97,18 @@ def test_a_large_lambda_closes_every_gate():
     assert torch.equal(trained["alpha"], torch.zeros(2, 2))
 
 
+def test_the_mean_penalty_is_the_sum_penalty_over_the_gate_count():
+    """λ·mean|α| (the official code's l1_loss, the default) is λ/N·Σ|α| (the paper's formula): the same gates when λ
+    is scaled by N = 4, different ones when it is not."""
+    def trained(weight, reduction):
+        settings = GateSettings(steps=4, learning_rate=0.2, reg_weight=weight, reg_reduction=reduction)
+        return train_gates(tiny_llama(), prompts(), settings, SINKS, RECENT)["alpha"]
+
+    assert GateSettings().reg_reduction == "mean"
+    torch.testing.assert_close(trained(0.4, "mean"), trained(0.1, "sum"), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(trained(0.1, "mean"), trained(0.1, "sum"))
+
+
 def test_needle_mass_finds_the_head_that_attends_to_the_needle():
     n, needle = 20, slice(5, 8)
     key = torch.zeros(1, 2, n, 8)
@@ -197,6 +209,7 @@ def test_heads_map_is_drawn(tmp_path):
     ({"data": {"lengths": [512]}}, r"data.lengths"),
     ({"gates": {"lr": 0.1}}, r"gates takes"),
     ({"gates": {"steps": -1}}, r"gates.steps=-1"),
+    ({"gates": {"reg_reduction": "max"}}, r"gates.reg_reduction='max'; give 'mean'"),
     ({"data": {"passkey_prompts": -2}}, r"data.passkey_prompts=-2"),
 ])  # fmt: skip
 def test_config_errors_name_the_key(tmp_path, tiny_smollm2_llama, change, message):

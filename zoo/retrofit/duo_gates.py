@@ -4,7 +4,8 @@ arXiv 2410.10819):
 - :func:`train_gates`: one gate α per (layer, KV head), initialised 1, the only trained parameter. Each attention layer
   gives every query head of KV group ``h`` the mix ``α·full + (1 − α)·streaming`` (streaming: ``sinks`` first keys and
   the ``recent`` last keys, the query included). Loss: MSE between the gated model's final hidden states and the full
-  model's on the answer rows + ``λ·Σ|α|``; α clamped to [0, 1] after each step.
+  model's on the answer rows + λ·mean|α| (the official code; Σ|α|, the paper's formula, on request); α clamped to
+  [0, 1] after each step.
 - :func:`needle_mass`: training-free; the attention mass the rows that produce an answer put on that answer's needle,
   per KV head (mean over the group's query heads and the prompts), from those few query rows only.
 
@@ -159,11 +160,14 @@ def needle_mass(model, prompts: list[Retrieval]) -> torch.Tensor:
 
 @dataclass
 class GateSettings:
-    """DuoAttention's optimisation (the official scripts' values: AdamW lr 0.02, λ = 0.05, α from 1)."""
+    """DuoAttention's optimisation (the official scripts' values: AdamW lr 0.02, λ = 0.05, α from 1). The penalty is
+    λ times the mean of |α| over every gate, as the official code's ``l1_loss``; ``reg_reduction="sum"`` takes Σ|α|
+    as the paper writes it (N gates times stronger)."""
 
     steps: int = 100
     learning_rate: float = 0.02
     reg_weight: float = 0.05
+    reg_reduction: str = "mean"
     initial: float = 1.0
     seed: int = 0
 
@@ -204,7 +208,7 @@ def train_gates(model, prompts: list[Retrieval], settings: GateSettings, sinks: 
             hidden = model.model(input_ids=torch.tensor([prompt.ids], device=model.device), use_cache=False,
                                  duo_gates=gates).last_hidden_state[0, prompt.loss_rows].float()
             distill = (hidden - teachers[index]).pow(2).mean(-1).mean()
-            regular = gates.alpha.abs().sum()
+            regular = gates.alpha.abs().sum() if settings.reg_reduction == "sum" else gates.alpha.abs().mean()
             loss = distill + settings.reg_weight * regular
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

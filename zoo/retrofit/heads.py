@@ -266,6 +266,9 @@ def load_config(path: str | Path, overrides: dict | None = None) -> DuoConfig:
     if not isinstance(gates, dict) or set(gates) - GATE_KEYS:
         raise DuoConfigError(f"{path}: gates takes {sorted(GATE_KEYS)}; got {gates!r}.")
     _whole(path, "gates.steps", gates.get("steps", GateSettings.steps), 0)  # 0: no trained gates
+    if gates.get("reg_reduction", GateSettings.reg_reduction) not in ("mean", "sum"):
+        raise DuoConfigError(f"{path}: gates.reg_reduction={gates['reg_reduction']!r}; give 'mean' (λ·mean|α|, the "
+                             "official code) or 'sum' (λ·Σ|α|, the paper's formula).")
     held_out = _block(raw, "held_out", HELD_OUT_DEFAULTS, path)
     return DuoConfig(model=str(raw["model"]), output_dir=Path(raw["output_dir"]), seed=int(raw.get("seed", 1234)),
                      threads=raw.get("threads"), device=raw.get("device"), dtype=raw.get("dtype"), sinks=sinks,
