@@ -74,6 +74,8 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=2, help="keys per depth")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--sinks", type=int, default=4, help="streaming heads' first tokens (the first runs: 4)")
+    parser.add_argument("--recent", type=int, default=256, help="the streaming heads' last tokens")
     parser.add_argument("--eval-prompts", help="a zoo eval run's prompts.jsonl: its passkey prompts instead")
     parser.add_argument("--output", required=True)
     args = parser.parse_args()
@@ -85,11 +87,11 @@ def main() -> None:
     cases = (eval_cases(args.eval_prompts, tokenizer, args.length) if args.eval_prompts else
              [(w, prompt(tokenizer, w, args.length, depth, key), key, depth) for w in WORDINGS for depth, key in drawn])
     rows = []
-    for contestant in ("full cache", f"duo {args.method} {args.share}"):
+    for contestant in ("full cache", f"duo {args.method} {args.share} sinks {args.sinks} recent {args.recent}"):
         if contestant == "full cache":
             model.set_attn_implementation("sdpa")
         else:
-            configure(model, "duo", full_heads=full_heads, sinks=4, recent=256)
+            configure(model, "duo", full_heads=full_heads, sinks=args.sinks, recent=args.recent)
         for wording, ids, key, depth in cases:
             with torch.no_grad():
                 out = model.generate(torch.tensor([ids]), max_new_tokens=bench.NEW_TOKENS, do_sample=False)

@@ -224,7 +224,7 @@ def test_config_defaults(tmp_path, tiny_smollm2_llama):
     path = tmp_path / "duo.yaml"
     path.write_text(yaml.safe_dump({"model": str(tiny_smollm2_llama()), "output_dir": str(tmp_path / "out")}))
     cfg = load_config(path)
-    assert (cfg.sinks, cfg.recent, cfg.fractions) == (4, 256, [0.1, 0.25, 0.5])
+    assert (cfg.sinks, cfg.recent, cfg.fractions) == (64, 256, [0.1, 0.25, 0.5])  # DuoAttention deploys 64 sinks
     assert (cfg.gates.learning_rate, cfg.gates.reg_weight) == (0.02, 0.05)
 
 

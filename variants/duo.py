@@ -42,7 +42,8 @@ class DuoAttention(Variant):
     memory_complexity = "O(n) keys for the full heads, O(sinks + recent) for the others"
     params = {
         "full_heads": Param([[]], list, "KV head indices kept full: one list per layer, or one list for all"),
-        "sinks": Param(4, int, "first real tokens of each row every streaming head keeps", min=0),
+        "sinks": Param(64, int, "first real tokens of each row every streaming head keeps (DuoAttention deploys 64)",
+                       min=0),
         "recent": Param(256, int, "latest tokens (the query's own included) every streaming head keeps", min=1),
         "inner": Param("sdpa", str, "the exact full-attention variant of the full heads"),
         "full_budget": Param(None, dict, "decoding only: a budget on the full heads' cache, {'budget': share of the "

@@ -30,7 +30,7 @@ from zoo.bench.passkey import prompt_parts
 from zoo.data.gutenberg import build_lm
 from zoo.eval.contestants import hub_id, load_model, model_path
 from zoo.plug.install import configure
-from zoo.registry import list_variants
+from zoo.registry import get_variant_class, list_variants
 from zoo.reporting import append_jsonl, pyplot, relative_path, save_figure
 from zoo.retrofit.duo_gates import (
     GATED,
@@ -48,6 +48,7 @@ from zoo.retrofit.recipe import book_sequences
 from zoo.retrofit.selection import divergence, next_token_logprobs
 
 logger = logging.getLogger("zoo.retrofit.heads")
+_DUO_PARAMS = get_variant_class("duo").params  # the layouts' defaults: the variant's own, stated once
 
 ALPHABET = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliett", "kilo",
             "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor",
@@ -205,8 +206,8 @@ class DuoConfig:
     threads: int | None = None
     device: str | None = None
     dtype: str | None = None
-    sinks: int = 4
-    recent: int = 256
+    sinks: int = _DUO_PARAMS["sinks"].default
+    recent: int = _DUO_PARAMS["recent"].default
     fractions: list[float] = field(default_factory=lambda: [0.1, 0.25, 0.5])
     data: dict = field(default_factory=lambda: dict(DATA_DEFAULTS))
     gates: GateSettings = field(default_factory=GateSettings)
@@ -243,8 +244,8 @@ def load_config(path: str | Path, overrides: dict | None = None) -> DuoConfig:
             raise DuoConfigError(f"{path}: `{key}` is missing.")
     positions = int(getattr(AutoConfig.from_pretrained(model_path(str(raw["model"]))), "max_position_embeddings", 0)
                     or 2**31)  # fmt: skip
-    sinks = _whole(path, "sinks", raw.get("sinks", 4), 0, positions)
-    recent = _whole(path, "recent", raw.get("recent", 256), 1, positions)
+    sinks = _whole(path, "sinks", raw.get("sinks", DuoConfig.sinks), 0, positions)
+    recent = _whole(path, "recent", raw.get("recent", DuoConfig.recent), 1, positions)
     fractions = raw.get("fractions", [0.1, 0.25, 0.5])
     if not isinstance(fractions, list) or not fractions:
         raise DuoConfigError(f"{path}: fractions={fractions!r}; give a list of shares in (0, 1], e.g. [0.1, 0.25].")
